@@ -1,0 +1,62 @@
+# Every target sets itself up on a fresh machine: the venv is created (torch first, the CPU wheel)
+# and reused while pyproject.toml is unchanged.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+TORCH_SPEC ?= torch==2.13.0
+PYTEST_ARGS ?=
+
+.PHONY: help install system-deps lint format test demo bench up down status clean
+
+help:
+	@echo "make demo   - bring up the embedded stack and run a dataset through the pipeline"
+	@echo "make test   - lint, then the whole test suite against real services"
+	@echo "make bench  - benchmarks (event latency S3 PUT -> flow-run start)"
+	@echo "make lint   - ruff, mypy, codespell"
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	# torch first, pinned: any other spec pulls a multi-GB CUDA build on a CPU machine.
+	$(BIN)/pip install --quiet "$(TORCH_SPEC)"
+	$(BIN)/pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+system-deps:
+	@bash scripts/system-deps.sh
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
+	$(BIN)/codespell sluicegate flows tasks tests benchmarks README.md
+
+format: $(STAMP)
+	$(BIN)/ruff format .
+	$(BIN)/ruff check --fix .
+
+test: lint system-deps
+	$(BIN)/pytest $(PYTEST_ARGS)
+
+demo: $(STAMP)
+	$(BIN)/sluicegate demo
+
+bench: $(STAMP)
+	$(BIN)/python -m benchmarks.event_latency
+
+up: $(STAMP)
+	$(BIN)/sluicegate up
+
+down: $(STAMP)
+	$(BIN)/sluicegate down
+
+status: $(STAMP)
+	$(BIN)/sluicegate status
+
+clean:
+	-$(BIN)/sluicegate down
+	rm -rf .sluicegate

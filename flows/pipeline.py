@@ -1,0 +1,195 @@
+"""The dataset pipeline: an S3 manifest event in, a gated candidate model out.
+
+Stages present so far: resolve and pin the dataset version, record the pipeline run (metadata store
+and MLflow), publish a summary artifact. Each later gate is added to this same flow.
+
+Heavy libraries (mlflow, pandas) are imported inside the task functions: this module is imported by
+every flow-run subprocess the runner starts, and its import time is event latency.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from prefect import flow, get_run_logger, task
+from prefect.artifacts import create_markdown_artifact
+from prefect.cache_policies import NO_CACHE
+from prefect.runtime import flow_run
+
+from sluicegate import ids, storage
+from sluicegate.metadata import MetadataStore
+from sluicegate.metadata import repository as repo
+from sluicegate.settings import Settings
+from tasks import datasets, lineage, reports
+
+# Idempotency lives in the metadata store's keys, not in Prefect's input-hash cache (inputs here
+# carry clients and stores that cannot be hashed anyway).
+TASK_DEFAULTS: dict[str, Any] = {"cache_policy": NO_CACHE}
+NETWORK_RETRIES: dict[str, Any] = {"retries": 3, "retry_delay_seconds": [1, 4, 10]}
+
+
+@dataclass(frozen=True)
+class PipelineResult:
+    pipeline_run_id: int
+    dataset: str
+    data_version: str
+    mlflow_run_id: str
+    status: str
+
+
+def _resolve(settings: Settings, bucket: str, key: str, version_id: str | None) -> tuple[datasets.ResolvedDataset, bytes]:
+    return datasets.resolve_dataset_version(
+        storage.s3_client(settings),
+        bucket,
+        key,
+        version_id,
+        datasets_prefix=settings.storage.datasets_prefix,
+        concurrency=settings.storage.max_concurrency,
+    )
+
+
+def _start_run(
+    store: MetadataStore, *, trigger: str, event_id: str | None, code: ids.CodeVersion, parameters: dict[str, Any]
+) -> int:
+    with store.session() as session:
+        row = repo.start_pipeline_run(
+            session,
+            prefect_flow_run_id=flow_run.get_id(),
+            trigger=trigger,
+            trigger_event_id=event_id,
+            code_version=code.commit,
+            code_dirty=code.dirty,
+            parameters=parameters,
+        )
+        return row.id
+
+
+def _record_dataset(store: MetadataStore, run_id: int, dataset: datasets.ResolvedDataset) -> None:
+    with store.session() as session:
+        version = repo.upsert_dataset_version(
+            session,
+            dataset_name=dataset.name,
+            data_version=dataset.data_version,
+            bucket=dataset.bucket,
+            prefix=dataset.prefix,
+            manifest_key=dataset.manifest_key,
+            manifest_etag=dataset.manifest_etag,
+            manifest_version_id=dataset.manifest_version_id,
+            objects=dataset.objects,
+        )
+        repo.set_pipeline_run_dataset(session, run_id, version.id)
+
+
+def _record_mlflow(store: MetadataStore, run_id: int, mlflow_run_id: str) -> None:
+    with store.session() as session:
+        repo.set_pipeline_run_mlflow(session, run_id, mlflow_run_id)
+
+
+def _finish(store: MetadataStore, run_id: int, status: str, reason: str | None) -> None:
+    with store.session() as session:
+        repo.finish_pipeline_run(session, run_id, status=status, reason=reason)
+
+
+resolve_dataset = task(_resolve, name="resolve-dataset", **TASK_DEFAULTS, **NETWORK_RETRIES)
+record_run_start = task(_start_run, name="record-run-start", **TASK_DEFAULTS, **NETWORK_RETRIES)
+record_dataset = task(_record_dataset, name="record-dataset-version", **TASK_DEFAULTS, **NETWORK_RETRIES)
+track_run = task(lineage.start_pipeline_tracking, name="mlflow-run", **TASK_DEFAULTS, **NETWORK_RETRIES)
+record_mlflow = task(_record_mlflow, name="record-mlflow-run", **TASK_DEFAULTS, **NETWORK_RETRIES)
+end_tracking = task(lineage.end_run, name="mlflow-end-run", **TASK_DEFAULTS, **NETWORK_RETRIES)
+record_finish = task(_finish, name="record-run-finish", **TASK_DEFAULTS, **NETWORK_RETRIES)
+
+
+def _artifact_key(dataset: str) -> str:
+    return "pipeline-" + re.sub(r"[^a-z0-9-]+", "-", dataset.lower()).strip("-")
+
+
+def _run_name() -> str:
+    # Readable before the data version is known; renamed to pipeline/<name>@<data7> once pinned.
+    key = str(flow_run.parameters.get("key", ""))
+    try:
+        ref = datasets.parse_dataset_key(key)
+    except Exception:
+        return "pipeline/" + (key.rsplit("/", 2)[0][-40:] or "unknown")
+    return f"pipeline/{ref.name}@{ref.label}"
+
+
+def _rename_run(name: str) -> None:
+    from prefect.client.orchestration import get_client
+
+    run_id = flow_run.get_id()
+    if run_id is None:
+        return
+    with get_client(sync_client=True) as client:
+        client.update_flow_run(run_id, name=name)
+
+
+@flow(name="pipeline", flow_run_name=_run_name, log_prints=True)
+def pipeline(
+    bucket: str,
+    key: str,
+    version_id: str = "",
+    etag: str = "",
+    event_id: str = "",
+    trigger: str = "event",
+) -> dict[str, Any]:
+    """Run every stage of the pipeline on the dataset version whose manifest is ``s3://bucket/key``.
+
+    Args:
+        bucket: bucket holding the dataset version.
+        key: key of its ``manifest.csv``.
+        version_id: S3 version id of the manifest (pins the exact bytes; empty: latest).
+        etag: ETag of the manifest from the event (recorded; the version id is what pins).
+        event_id: id of the Prefect event that triggered this run (empty for manual runs).
+        trigger: "event", "schedule" or "manual".
+    """
+    logger = get_run_logger()
+    settings = Settings()
+    store = MetadataStore(settings.metadata_url)
+    store.check_schema()
+    code = ids.code_version(baked=settings.code_commit)
+    parameters = {"bucket": bucket, "key": key, "version_id": version_id, "etag": etag, "event_id": event_id}
+    run_id = record_run_start(store, trigger=trigger, event_id=event_id or None, code=code, parameters=parameters)
+    stages: list[tuple[str, str, str]] = []
+    mlflow_run_id: str | None = None
+    try:
+        dataset, manifest = resolve_dataset(settings, bucket, key, version_id or None)
+        stages.append(("resolve dataset", "passed", f"{len(dataset.objects)} objects pinned"))
+        _rename_run(f"pipeline/{dataset.name}@{dataset.data7}")
+        record_dataset(store, run_id, dataset)
+        mlflow_run_id = track_run(
+            settings.mlflow.url,
+            settings.mlflow.experiment,
+            pipeline_run_id=str(run_id),
+            flow_run_id=flow_run.get_id(),
+            event_id=event_id or None,
+            dataset=dataset,
+            manifest=manifest,
+            code=code,
+        )
+        record_mlflow(store, run_id, mlflow_run_id)
+        stages.append(("lineage", "recorded", f"MLflow run {mlflow_run_id}"))
+        tracker = lineage.client(settings.mlflow.url)
+        experiment = lineage.experiment_id(tracker, settings.mlflow.experiment)
+        url = reports.mlflow_run_url(settings.mlflow.url, experiment, mlflow_run_id)
+        summary = reports.pipeline_summary(
+            dataset=dataset, code=code, pipeline_run_id=str(run_id), event_id=event_id or None,
+            mlflow_url=url, stages=stages,
+        )
+        create_markdown_artifact(
+            key=_artifact_key(dataset.name), markdown=summary, description=f"pipeline/{dataset.name}@{dataset.data7}"
+        )
+        result = PipelineResult(run_id, dataset.name, dataset.data_version, mlflow_run_id, "succeeded")
+        end_tracking(settings.mlflow.url, mlflow_run_id, succeeded=True, summary=asdict(result))
+        record_finish(store, run_id, "succeeded", None)
+        logger.info("pipeline run %s succeeded for %s@%s", run_id, dataset.name, dataset.data7)
+        return asdict(result)
+    except Exception as exc:
+        logger.error("pipeline run %s failed: %s", run_id, exc)
+        record_finish(store, run_id, "failed", f"{type(exc).__name__}: {exc}")
+        if mlflow_run_id is not None:
+            end_tracking(settings.mlflow.url, mlflow_run_id, succeeded=False)
+        raise
+    finally:
+        store.dispose()

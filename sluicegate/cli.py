@@ -1,0 +1,221 @@
+"""The `sluicegate` command line (typer). Settings are read here, once, and passed down."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from sluicegate.errors import SluicegateError
+from sluicegate.settings import Settings
+
+app = typer.Typer(no_args_is_help=True, help="sluicegate: a dataset lands in S3, a better model serves traffic.")
+db_app = typer.Typer(no_args_is_help=True, help="The metadata store's schema.")
+storage_app = typer.Typer(no_args_is_help=True, help="The object store and its event queue.")
+app.add_typer(db_app, name="db")
+app.add_typer(storage_app, name="storage")
+console = Console()
+
+
+def _settings() -> Settings:
+    try:
+        return Settings()
+    except Exception as exc:  # pydantic's message names the field and the value
+        console.print(f"[red]invalid settings:[/red] {exc}")
+        raise typer.Exit(2) from exc
+
+
+def _configure_logging(level: int = logging.INFO) -> None:
+    logging.basicConfig(level=level, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def _fail(exc: Exception) -> typer.Exit:
+    console.print(f"[red]error:[/red] {exc}")
+    return typer.Exit(1)
+
+
+@app.command()
+def up() -> None:
+    """Start the embedded stack (a no-op when it is already running) and print its URLs."""
+    from sluicegate import stack
+
+    settings = _settings()
+    seen: set[str] = set()
+
+    def progress(state: stack.StackState) -> None:
+        for name, part in state.parts.items():
+            if part.status == stack.READY and name not in seen:
+                seen.add(name)
+                console.print(f"  [green]ready[/green] {name:8} {part.url}")
+
+    try:
+        with console.status("starting the embedded stack..."):
+            state, started = stack.up(settings, progress)
+    except SluicegateError as exc:
+        raise _fail(exc) from exc
+    if not started:
+        console.print("the stack is already running")
+    _print_urls(settings, state)
+
+
+def _print_urls(settings: Settings, state: object) -> None:
+    table = Table(title="sluicegate stack")
+    table.add_column("service")
+    table.add_column("where")
+    table.add_column("run by")
+    rows = [
+        ("S3 + SQS", settings.storage.url, "embedded" if settings.storage.embedded else "external"),
+        ("Prefect UI/API", settings.prefect.url.removesuffix("/api"), "embedded" if settings.prefect.embedded else "external"),
+        ("MLflow", settings.mlflow.url, "embedded" if settings.mlflow.embedded else "external"),
+        ("metadata store", _redact(settings.metadata_url), "file" if settings.metadata.url is None else "external"),
+        ("event webhook", f"http://127.0.0.1:{settings.events.webhook_port}/events", "embedded"),
+        ("logs", str(settings.home / "logs"), ""),
+    ]
+    for row in rows:
+        table.add_row(*row)
+    console.print(table)
+
+
+def _redact(url: str) -> str:
+    from sqlalchemy.engine import make_url
+
+    return make_url(url).render_as_string(hide_password=True)
+
+
+@app.command()
+def status() -> None:
+    """Each part of the embedded stack: process, health, restarts."""
+    from sluicegate import stack
+
+    settings = _settings()
+    overall, rows = stack.status(settings)
+    table = Table(title=f"sluicegate stack: {overall}")
+    for column in ("part", "pid", "process", "health", "restarts", "url"):
+        table.add_column(column)
+    for row in rows:
+        table.add_row(
+            row.name, str(row.pid or "-"), "running" if row.running else "[red]not running[/red]",
+            "[green]healthy[/green]" if row.healthy else "[red]unhealthy[/red]", str(row.restarts), row.url,
+        )
+    console.print(table)
+    if overall != stack.READY:
+        raise typer.Exit(1)
+
+
+@app.command()
+def down() -> None:
+    """Stop the embedded stack and every process it started."""
+    from sluicegate import stack
+
+    settings = _settings()
+    with console.status("stopping..."):
+        killed = stack.down(settings)
+    if killed:
+        console.print(f"killed leftover processes: {killed}")
+    console.print("the stack is stopped")
+
+
+@app.command("stack-supervise", hidden=True)
+def stack_supervise() -> None:
+    """The detached supervisor process (started by `up`)."""
+    from sluicegate import stack
+
+    _configure_logging()
+    raise typer.Exit(stack.supervise(_settings()))
+
+
+@app.command()
+def bridge() -> None:
+    """Run the S3 -> Prefect event bridge (SQS poller and webhook) in the foreground."""
+    from flows.events import service
+
+    _configure_logging()
+    try:
+        service.serve(_settings())
+    except SluicegateError as exc:
+        raise _fail(exc) from exc
+
+
+@app.command()
+def runner() -> None:
+    """Serve the deployments of prefect.yaml from this process (the embedded stack's worker)."""
+    from flows import deployments
+
+    _configure_logging()
+    deployments.serve(_settings())
+
+
+@db_app.command("upgrade")
+def db_upgrade(revision: Annotated[str, typer.Argument(help="Target revision.")] = "head") -> None:
+    """Migrate the metadata store's schema (to the newest by default)."""
+    from sluicegate.metadata import MetadataStore
+
+    settings = _settings()
+    store = MetadataStore(settings.metadata_url)
+    try:
+        before = store.current_revision()
+        store.upgrade(revision)
+        console.print(f"{store.url_redacted}: {before or 'empty'} -> {store.current_revision()}")
+    except SluicegateError as exc:
+        raise _fail(exc) from exc
+    finally:
+        store.dispose()
+
+
+@db_app.command("downgrade")
+def db_downgrade(revision: Annotated[str, typer.Argument(help="Target revision, e.g. -1 or base.")]) -> None:
+    """Step the metadata store's schema back."""
+    from sluicegate.metadata import MetadataStore
+
+    settings = _settings()
+    store = MetadataStore(settings.metadata_url)
+    try:
+        store.downgrade(revision)
+        console.print(f"{store.url_redacted}: now at {store.current_revision() or 'base'}")
+    except SluicegateError as exc:
+        raise _fail(exc) from exc
+    finally:
+        store.dispose()
+
+
+@db_app.command("current")
+def db_current() -> None:
+    """Show the schema revision the store is at and the one this code expects."""
+    from sluicegate.metadata import MetadataStore
+
+    settings = _settings()
+    store = MetadataStore(settings.metadata_url)
+    try:
+        current, head = store.current_revision(), store.head_revision()
+    except SluicegateError as exc:
+        raise _fail(exc) from exc
+    finally:
+        store.dispose()
+    console.print(f"{store.url_redacted}: at {current or 'empty'}, code expects {head}")
+    if current != head:
+        raise typer.Exit(1)
+
+
+@storage_app.command("provision")
+def storage_provision() -> None:
+    """Create the bucket (versioned), the event queues and the bucket notification (idempotent)."""
+    from sluicegate import storage
+
+    try:
+        urls = storage.provision(_settings())
+    except SluicegateError as exc:
+        raise _fail(exc) from exc
+    for name, url in urls.items():
+        console.print(f"{name}: {url}")
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

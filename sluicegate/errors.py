@@ -1,0 +1,35 @@
+"""One error hierarchy for the platform. Messages name the field or thing, the value, and the fix."""
+
+from __future__ import annotations
+
+
+class SluicegateError(Exception):
+    """Root of every error the platform raises on purpose."""
+
+
+class ConfigError(SluicegateError):
+    """A setting or argument is wrong; the message names it and says how to fix it."""
+
+
+class StoreUnavailable(SluicegateError):
+    """The metadata store cannot be reached (the message names the URL, password redacted)."""
+
+
+class SchemaOutdated(SluicegateError):
+    """The metadata store's schema is older (or newer) than this code expects."""
+
+
+class DatasetError(SluicegateError):
+    """A dataset version does not follow the contract (manifest, listed objects)."""
+
+
+class StorageError(SluicegateError):
+    """The object store refused or could not serve a request."""
+
+
+class EventError(SluicegateError):
+    """An incoming S3 event message cannot be understood."""
+
+
+class StackError(SluicegateError):
+    """A part of the embedded stack failed to start, stay up or stop."""

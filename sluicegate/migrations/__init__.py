@@ -1,0 +1,1 @@
+"""Alembic migrations of the metadata store (``script_location``); run through ``MetadataStore``."""

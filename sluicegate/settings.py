@@ -1,0 +1,176 @@
+"""The platform's settings: one pydantic-settings root, read once at an entry point and passed down.
+
+Every field defaults to the embedded stack (`sluicegate up`), with state under ``./.sluicegate/``.
+A service URL left unset means "run the embedded one"; set it to point at a real service and
+``sluicegate up`` skips starting that part.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, Field, SecretStr, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+LOOPBACK = "127.0.0.1"
+
+
+class StorageSettings(BaseModel):
+    """Object store (S3 API) and its event queue."""
+
+    endpoint_url: str | None = Field(
+        None,
+        description="S3 endpoint URL. Unset: the embedded moto server on `port`. "
+        "For AWS use https://s3.<region>.amazonaws.com; for MinIO its URL.",
+    )
+    port: int = Field(9100, description="Port of the embedded S3+SQS endpoint.")
+    bucket: str = Field("sluicegate", description="Bucket holding datasets and MLflow artifacts.")
+    region: str = Field("us-east-1", description="AWS region for S3 and SQS clients.")
+    access_key_id: SecretStr | None = Field(
+        None, description="Access key. Unset: the embedded endpoint's test key, else boto3's chain."
+    )
+    secret_access_key: SecretStr | None = Field(
+        None, description="Secret key. Unset: the embedded endpoint's test key, else boto3's chain."
+    )
+    datasets_prefix: str = Field("datasets/", description="Key prefix under which dataset versions land.")
+    max_concurrency: int = Field(16, ge=1, description="Parallel S3 requests per operation.")
+
+    @property
+    def embedded(self) -> bool:
+        return self.endpoint_url is None
+
+    @property
+    def url(self) -> str:
+        return self.endpoint_url or f"http://{LOOPBACK}:{self.port}"
+
+
+class EventSettings(BaseModel):
+    """The S3 -> Prefect event bridge."""
+
+    sources: list[Literal["sqs", "webhook"]] = Field(
+        default_factory=lambda: ["sqs", "webhook"], description="Event sources the bridge runs."
+    )
+    queue_name: str = Field("sluicegate-events", description="SQS queue receiving S3 notifications.")
+    dead_letter_queue_name: str = Field(
+        "sluicegate-events-dlq", description="SQS queue where malformed messages are set aside."
+    )
+    queue_url: str | None = Field(
+        None, description="Full SQS queue URL; unset: looked up from `queue_name` on the endpoint."
+    )
+    notification_suffix: str = Field(
+        "manifest.csv",
+        description="Suffix filter of the bucket notification the embedded stack configures "
+        "(a dataset version is announced by its manifest, uploaded last). Empty: every object.",
+    )
+    wait_seconds: int = Field(1, ge=0, le=20, description="SQS long-poll wait per receive call.")
+    visibility_timeout: int = Field(
+        30, ge=1, description="Seconds a received SQS message stays hidden before redelivery."
+    )
+    webhook_port: int = Field(9102, description="Port of the bridge's HTTP webhook and /health.")
+    webhook_token: SecretStr | None = Field(
+        None, description="Bearer token the webhook requires; unset: no authentication (loopback only)."
+    )
+    event_name: str = Field("s3.object.created", description="Prefect event name emitted per object.")
+
+
+class PrefectSettings(BaseModel):
+    """Orchestration."""
+
+    api_url: str | None = Field(
+        None, description="Prefect API URL (ends in /api). Unset: the embedded server on `port`."
+    )
+    port: int = Field(4200, description="Port of the embedded Prefect server (UI and API).")
+    api_key: SecretStr | None = Field(None, description="Prefect Cloud API key (Bearer), if any.")
+    auth_string: SecretStr | None = Field(
+        None, description="Basic-auth 'user:password' of a self-hosted Prefect server, if it has one."
+    )
+    ui: bool = Field(True, description="Serve the Prefect UI from the embedded server.")
+    runner_poll_seconds: int = Field(
+        1, ge=1, description="How often (whole seconds) the embedded runner polls for runs to start."
+    )
+    runner_port: int = Field(9103, description="Port of the embedded runner's health server.")
+
+    @property
+    def embedded(self) -> bool:
+        return self.api_url is None
+
+    @property
+    def url(self) -> str:
+        return self.api_url or f"http://{LOOPBACK}:{self.port}/api"
+
+
+class MlflowSettings(BaseModel):
+    """Tracking and model registry."""
+
+    tracking_uri: str | None = Field(
+        None, description="MLflow tracking URI. Unset: the embedded server on `port`."
+    )
+    port: int = Field(5000, description="Port of the embedded MLflow server.")
+    experiment: str = Field("sluicegate", description="Experiment holding pipeline runs.")
+    artifacts_prefix: str = Field("mlflow/", description="Key prefix of MLflow artifacts in the bucket.")
+
+    @property
+    def embedded(self) -> bool:
+        return self.tracking_uri is None
+
+    @property
+    def url(self) -> str:
+        return self.tracking_uri or f"http://{LOOPBACK}:{self.port}"
+
+
+class MetadataSettings(BaseModel):
+    """The metadata (lineage) store."""
+
+    url: str | None = Field(
+        None,
+        description="SQLAlchemy URL, e.g. postgresql+psycopg://user:pw@host/db. "
+        "Unset: a SQLite file under the state directory.",
+    )
+
+
+class RetrainSettings(BaseModel):
+    """Scheduled retraining."""
+
+    cron: str | None = Field(
+        None, description="Cron of the scheduled-retrain deployment; unset: the one in prefect.yaml."
+    )
+    timezone: str = Field("UTC", description="Timezone of the retrain cron.")
+
+
+class StackSettings(BaseModel):
+    """The embedded stack's supervisor."""
+
+    start_timeout: float = Field(120.0, gt=0, description="Seconds to wait for each part to become healthy.")
+    stop_timeout: float = Field(20.0, gt=0, description="Seconds to wait for a part to exit before SIGKILL.")
+    max_restarts: int = Field(3, ge=0, description="Restarts of a crashed part before the supervisor gives up on it.")
+
+
+class Settings(BaseSettings):
+    """Root of the platform's settings (env prefix ``SLUICEGATE_``, nested groups with ``__``)."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="SLUICEGATE_", env_nested_delimiter="__", extra="forbid", frozen=True
+    )
+
+    home: Path = Field(Path(".sluicegate"), description="State directory of the embedded stack.")
+    code_commit: str | None = Field(
+        None, description="Git commit of the code when it runs outside a git checkout (baked at image build)."
+    )
+    storage: StorageSettings = Field(default_factory=StorageSettings)  # type: ignore[arg-type]
+    events: EventSettings = Field(default_factory=EventSettings)  # type: ignore[arg-type]
+    prefect: PrefectSettings = Field(default_factory=PrefectSettings)  # type: ignore[arg-type]
+    mlflow: MlflowSettings = Field(default_factory=MlflowSettings)  # type: ignore[arg-type]
+    metadata: MetadataSettings = Field(default_factory=MetadataSettings)  # type: ignore[arg-type]
+    retrain: RetrainSettings = Field(default_factory=RetrainSettings)  # type: ignore[arg-type]
+    stack: StackSettings = Field(default_factory=StackSettings)  # type: ignore[arg-type]
+
+    @field_validator("home")
+    @classmethod
+    def _absolute_home(cls, value: Path) -> Path:
+        # Children of the stack run with other working directories; pin the path now.
+        return value.expanduser().resolve()
+
+    @property
+    def metadata_url(self) -> str:
+        return self.metadata.url or f"sqlite:///{self.home / 'metadata.db'}"

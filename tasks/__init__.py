@@ -1,0 +1,1 @@
+"""Stage logic as plain typed functions (no Prefect import); flows/ wraps them as tasks."""

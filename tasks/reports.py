@@ -1,0 +1,48 @@
+"""Reports people read (Prefect markdown artifacts, MLflow text artifacts), built as plain strings."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from sluicegate.ids import CodeVersion
+from tasks.datasets import ResolvedDataset
+
+
+def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    def cell(value: object) -> str:
+        return str(value).replace("|", "\\|").replace("\n", " ")
+
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    lines += ["| " + " | ".join(cell(value) for value in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def mlflow_run_url(tracking_uri: str, experiment_id: str, run_id: str) -> str:
+    return f"{tracking_uri.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}"
+
+
+def pipeline_summary(
+    *,
+    dataset: ResolvedDataset,
+    code: CodeVersion,
+    pipeline_run_id: str,
+    event_id: str | None,
+    mlflow_url: str | None,
+    stages: Sequence[tuple[str, str, str]],
+) -> str:
+    """The pipeline run's summary: what data, what code, which stages ran with what outcome."""
+    versions = markdown_table(
+        ["what", "value"],
+        [
+            ["dataset", f"`{dataset.name}` / `{dataset.label}`"],
+            ["data version", f"`{dataset.data_version}`"],
+            ["manifest", f"`{dataset.uri}` (version `{dataset.manifest_version_id or '-'}`, etag `{dataset.manifest_etag}`)"],
+            ["objects", f"{len(dataset.objects)} listed, {dataset.rows} manifest rows"],
+            ["code version", f"`{code.commit}`" + (" (dirty)" if code.dirty else "")],
+            ["pipeline run", f"`{pipeline_run_id}`"],
+            ["trigger event", f"`{event_id}`" if event_id else "manual"],
+            ["MLflow run", f"[open]({mlflow_url})" if mlflow_url else "-"],
+        ],
+    )
+    stage_table = markdown_table(["stage", "outcome", "detail"], stages)
+    return f"# pipeline/{dataset.name}@{dataset.data7}\n\n{versions}\n\n## Stages\n\n{stage_table}\n"
