@@ -31,6 +31,8 @@ def _settings() -> Settings:
 
 def _configure_logging(level: int = logging.INFO) -> None:
     logging.basicConfig(level=level, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # One line per HTTP request (the runner polls every second) drowns what matters.
+    logging.getLogger("httpx").setLevel(logging.WARNING)
 
 
 def _fail(exc: Exception) -> typer.Exit:

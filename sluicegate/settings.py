@@ -7,8 +7,9 @@ A service URL left unset means "run the embedded one"; set it to point at a real
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -174,3 +175,29 @@ class Settings(BaseSettings):
     @property
     def metadata_url(self) -> str:
         return self.metadata.url or f"sqlite:///{self.home / 'metadata.db'}"
+
+    def to_env(self) -> dict[str, str]:
+        """These settings as ``SLUICEGATE_*`` variables, so a child process reads back the same values.
+
+        Only fields that differ from their defaults are written, so a child also sees what its own
+        environment adds.
+        """
+        env: dict[str, str] = {}
+
+        def encode(value: Any) -> str:
+            if isinstance(value, SecretStr):
+                return value.get_secret_value()
+            if isinstance(value, list | dict):
+                return json.dumps(value)
+            return str(value)
+
+        for name, field in type(self).model_fields.items():
+            value = getattr(self, name)
+            if isinstance(value, BaseModel):
+                for sub, sub_field in type(value).model_fields.items():
+                    sub_value = getattr(value, sub)
+                    if sub_value is not None and sub_value != sub_field.get_default(call_default_factory=True):
+                        env[f"SLUICEGATE_{name.upper()}__{sub.upper()}"] = encode(sub_value)
+            elif value is not None and (name == "home" or value != field.get_default(call_default_factory=True)):
+                env[f"SLUICEGATE_{name.upper()}"] = encode(value)
+        return env

@@ -36,6 +36,8 @@ READY = "ready"
 STARTING = "starting"
 FAILED = "failed"
 STOPPED = "stopped"
+# Started together first; the bridge and the runner are their clients and start after them.
+SERVICES = ("s3", "prefect", "mlflow")
 
 
 @dataclass(frozen=True)
@@ -99,11 +101,12 @@ def _bin(name: str) -> str:
 
 def child_env(settings: Settings) -> dict[str, str]:
     """Environment every part and every flow run shares: where each service is, no telemetry."""
-    env = dict(os.environ)
+    # The settings object is the truth: inherited SLUICEGATE_* variables could contradict it.
+    env = {name: value for name, value in os.environ.items() if not name.startswith("SLUICEGATE_")}
+    env.update(settings.to_env())
     env.update(storage.credentials_env(settings))
     env.update(
         {
-            "SLUICEGATE_HOME": str(settings.home),
             "PREFECT_API_URL": settings.prefect.url,
             "PREFECT_HOME": str(settings.home / "prefect"),
             "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
@@ -237,17 +240,33 @@ class Supervisor:
                          f"within {self.settings.stack.start_timeout:.0f} s")
 
     def start(self, before: dict[str, Callable[[], None]]) -> None:
-        for part in parts(self.settings):
+        """Start the parts in phases: the services together, then their clients (bridge, runner).
+
+        ``before[name]`` runs once the previous phase is healthy and before that part starts.
+        """
+        chosen = parts(self.settings)
+        services = [part for part in chosen if part.name in SERVICES]
+        clients = [part for part in chosen if part.name not in SERVICES]
+        for phase in (services, clients):
+            current: Part | None = None
             try:
-                if part.name in before:
-                    before[part.name]()
-                self.spawn(part)
-                self.wait_healthy(part)
+                for part in phase:
+                    current = part
+                    if part.name in before:
+                        before[part.name]()
+                    self.spawn(part)
+                for part in phase:
+                    current = part
+                    self.wait_healthy(part)
             except Exception as exc:
-                st = self.state.parts.setdefault(part.name, PartState(part.name, part.url, str(self.paths.logs / f"{part.name}.log")))
+                assert current is not None
+                log_path = str(self.paths.logs / f"{current.name}.log")
+                st = self.state.parts.setdefault(current.name, PartState(current.name, current.url, log_path))
                 st.status, st.detail = FAILED, str(exc)
                 self.state.status = FAILED
-                self.state.error = f"{part.name} failed to start: {exc}\n--- last lines of {st.log} ---\n{tail(Path(st.log))}"
+                self.state.error = (
+                    f"{current.name} failed to start: {exc}\n--- last lines of {st.log} ---\n{tail(Path(st.log))}"
+                )
                 self.write_state()
                 raise
         self.state.status = READY
@@ -453,14 +472,23 @@ def down(settings: Settings) -> list[int]:
         if supervisor_alive(paths):
             kill_tree(state.supervisor_pid, 1)
             killed.append(state.supervisor_pid)
+        # The lock is released just before the supervisor exits: wait for the exit itself.
+        while _running(state.supervisor_pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
     # Whatever outlived the supervisor (it was SIGKILLed, or crashed) is stopped here.
-    for st in (state.parts.values() if state else []):
-        if st.pid is not None and psutil.pid_exists(st.pid):
-            with contextlib.suppress(psutil.Error):
-                if psutil.Process(st.pid).status() != psutil.STATUS_ZOMBIE:
-                    kill_tree(st.pid, settings.stack.stop_timeout)
-                    killed.append(st.pid)
+    for st in state.parts.values() if state else []:
+        if st.pid is not None and _running(st.pid):
+            kill_tree(st.pid, settings.stack.stop_timeout)
+            killed.append(st.pid)
     return killed
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (an exited child its parent has not reaped yet)."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 @contextlib.contextmanager

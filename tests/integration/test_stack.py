@@ -1,0 +1,195 @@
+"""The embedded stack as a user runs it, and the whole event chain over HTTP:
+PUT manifest -> S3 notification -> SQS -> bridge -> Prefect event -> trigger -> flow run -> rows + MLflow run.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psutil
+import pytest
+from sqlalchemy import select
+
+from sluicegate import stack, storage
+from sluicegate.errors import StackError
+from sluicegate.metadata import MetadataStore
+from sluicegate.metadata.models import DeadLetter, PipelineRun, S3Event
+from sluicegate.settings import Settings
+from tasks import lineage
+from tests.fixtures.platform import upload_dataset
+from tests.fixtures.services import free_port
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+
+def stack_settings(home: Path, **overrides: Any) -> Settings:
+    return Settings(
+        home=home,
+        storage={"port": free_port()},
+        prefect={"port": free_port(), "runner_port": free_port(), "ui": False},
+        mlflow={"port": free_port()},
+        events={"webhook_port": free_port()},
+        stack={"start_timeout": 180, "stop_timeout": 15},
+        **overrides,
+    )
+
+
+def all_pids(settings: Settings) -> set[int]:
+    state = stack.read_state(stack.Paths(settings.home))
+    assert state is not None
+    pids = {state.supervisor_pid} | {part.pid for part in state.parts.values() if part.pid}
+    for pid in list(pids):
+        try:
+            pids |= {child.pid for child in psutil.Process(pid).children(recursive=True)}
+        except psutil.NoSuchProcess:
+            pass
+    return pids
+
+
+@pytest.fixture(scope="module")
+def running_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Settings]:
+    settings = stack_settings(tmp_path_factory.mktemp("stack"))
+    try:
+        state, started = stack.up(settings)
+    except StackError:
+        stack.down(settings)
+        raise
+    assert started and state.status == stack.READY
+    yield settings
+    stack.down(settings)
+
+
+def flow_runs_for(settings: Settings, key: str) -> list[dict[str, Any]]:
+    response = httpx.post(f"{settings.prefect.url}/flow_runs/filter",
+                          json={"flow_runs": {"tags": {"all_": ["pipeline"]}}, "limit": 200})
+    response.raise_for_status()
+    return [run for run in response.json() if run["parameters"].get("key") == key]
+
+
+def wait_for_run(settings: Settings, key: str, timeout: float = 120) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    runs: list[dict[str, Any]] = []
+    while time.monotonic() < deadline:
+        runs = flow_runs_for(settings, key)
+        if runs and runs[0]["state_type"] in ("COMPLETED", "FAILED", "CRASHED"):
+            return runs[0]
+        time.sleep(0.5)
+    logs = (settings.home / "logs" / "runner.log").read_text()[-3000:]
+    pytest.fail(f"no finished flow run for {key} within {timeout} s (runs: {runs}); runner log:\n{logs}")
+
+
+def test_up_again_is_a_no_op_and_status_is_healthy(running_stack: Settings) -> None:
+    before = all_pids(running_stack)
+    state, started = stack.up(running_stack)
+    assert not started and state.status == stack.READY
+    assert all_pids(running_stack) == before
+    overall, rows = stack.status(running_stack)
+    assert overall == stack.READY
+    assert {row.name for row in rows} == {"s3", "prefect", "mlflow", "bridge", "runner"}
+    assert all(row.healthy and row.running for row in rows)
+
+
+def test_manifest_upload_runs_the_pipeline_and_records_lineage(running_stack: Settings) -> None:
+    key = upload_dataset(running_stack, "pcb", "chain", count=4)
+    run = wait_for_run(running_stack, key)
+    assert run["state_type"] == "COMPLETED", run["state"]
+    assert run["name"].startswith("pipeline/pcb@")
+    store = MetadataStore(running_stack.metadata_url)
+    with store.session() as session:
+        row = session.scalars(select(PipelineRun).where(PipelineRun.prefect_flow_run_id == run["id"])).one()
+        event = session.scalars(select(S3Event).where(S3Event.key == key)).one()
+        assert row.status == "succeeded" and row.trigger == "event"
+        assert row.trigger_event_id == event.event_id == run["parameters"]["event_id"]
+        assert row.dataset_version_id is not None and row.mlflow_run_id
+        mlflow_run_id = row.mlflow_run_id
+    store.dispose()
+    tracked = lineage.client(running_stack.mlflow.url).get_run(mlflow_run_id)
+    assert tracked.data.tags[lineage.TAG_FLOW_RUN] == run["id"]
+    assert tracked.data.tags[lineage.TAG_EVENT] == event.event_id
+    # The summary artifact is in Prefect for operators.
+    artifacts = httpx.post(f"{running_stack.prefect.url}/artifacts/filter",
+                           json={"artifacts": {"flow_run_id": {"any_": [run["id"]]}}}).json()
+    assert any(a["type"] == "markdown" and "data version" in a["data"] for a in artifacts)
+
+
+def test_duplicate_delivery_gives_one_run(running_stack: Settings) -> None:
+    key = upload_dataset(running_stack, "pcb", "dup", count=2)
+    first = wait_for_run(running_stack, key)
+    head = storage.s3_client(running_stack).head_object(Bucket=running_stack.storage.bucket, Key=key)
+    # The notification as moto sends it (no versionId, no sequencer), delivered twice more:
+    # once again through SQS, once through the webhook.
+    body = json.dumps({"Records": [{
+        "eventVersion": "2.1", "eventSource": "aws:s3", "eventName": "ObjectCreated:Put",
+        "eventTime": "2026-11-29T10:00:00.000Z",
+        "s3": {"bucket": {"name": running_stack.storage.bucket},
+               "object": {"key": key, "size": head["ContentLength"], "eTag": head["ETag"].strip('"')}},
+    }]})
+    sqs = storage.sqs_client(running_stack)
+    sqs.send_message(QueueUrl=storage.queue_url(running_stack, sqs), MessageBody=body)
+    hook = httpx.post(f"http://127.0.0.1:{running_stack.events.webhook_port}/events", content=body)
+    assert hook.status_code == 200 and hook.json()["duplicates"] == 1
+    time.sleep(6)  # several runner polls: a second run would have been created by now
+    runs = flow_runs_for(running_stack, key)
+    assert [r["id"] for r in runs] == [first["id"]]
+
+
+def test_a_malformed_message_does_not_stop_the_next_good_one(running_stack: Settings) -> None:
+    sqs = storage.sqs_client(running_stack)
+    sqs.send_message(QueueUrl=storage.queue_url(running_stack, sqs), MessageBody='{"Records": "oops"}')
+    key = upload_dataset(running_stack, "pcb", "after-bad", count=2)
+    assert wait_for_run(running_stack, key)["state_type"] == "COMPLETED"
+    store = MetadataStore(running_stack.metadata_url)
+    with store.session() as session:
+        letters = session.scalars(select(DeadLetter)).all()
+        assert any('"oops"' in letter.body and "Records" in letter.error for letter in letters)
+    store.dispose()
+
+
+def test_a_crashed_part_is_restarted(running_stack: Settings) -> None:
+    state = stack.read_state(stack.Paths(running_stack.home))
+    assert state is not None
+    old = state.parts["bridge"].pid
+    assert old is not None
+    psutil.Process(old).kill()
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        state = stack.read_state(stack.Paths(running_stack.home))
+        assert state is not None
+        if state.parts["bridge"].pid != old and state.parts["bridge"].status == stack.READY:
+            break
+        time.sleep(0.5)
+    assert state.parts["bridge"].restarts == 1
+    overall, _ = stack.status(running_stack)
+    assert overall == stack.READY
+
+
+def test_down_leaves_no_process_behind(tmp_path: Path) -> None:
+    settings = stack_settings(tmp_path)
+    stack.up(settings)
+    pids = all_pids(settings)
+    assert len(pids) >= 6  # supervisor and five parts, plus their own children
+    stack.down(settings)
+    alive = [pid for pid in pids if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
+    assert alive == []
+    overall, _ = stack.status(settings)
+    assert overall == "stopped"
+
+
+def test_a_part_that_cannot_start_is_named_with_its_log(tmp_path: Path) -> None:
+    settings = stack_settings(tmp_path)
+    blocker = socket.socket()
+    blocker.bind(("127.0.0.1", settings.mlflow.port))
+    blocker.listen()
+    try:
+        with pytest.raises(StackError, match=r"mlflow failed to start(.|\n)*last lines of .*mlflow.log"):
+            stack.up(settings)
+    finally:
+        blocker.close()
+        stack.down(settings)
+    assert not stack.supervisor_alive(stack.Paths(settings.home))
