@@ -43,9 +43,9 @@ def _flow(entrypoint: str) -> Any:
 
 
 def runner_deployments(settings: Settings, path: Path = PREFECT_YAML) -> list[RunnerDeployment]:
-    from prefect.deployments.runner import EntrypointType
     from prefect.events import DeploymentEventTrigger
     from prefect.schedules import Cron
+    from prefect.types.entrypoint import EntrypointType
 
     built = []
     for spec in load_spec(path):
@@ -81,3 +81,21 @@ def serve(settings: Settings) -> None:
     import prefect
 
     prefect.serve(*runner_deployments(settings), print_starting_message=False)
+
+
+def main() -> None:
+    """``python -m flows.deployments``: the embedded stack's runner process.
+
+    Its own small main module rather than the CLI: the runner spawns each flow run with
+    multiprocessing's spawn method, which re-imports the parent's main module in every child,
+    and the CLI's imports (typer, rich) would be paid again by every run before it starts.
+    """
+    import logging
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    serve(Settings())
+
+
+if __name__ == "__main__":
+    main()

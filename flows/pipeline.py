@@ -3,31 +3,29 @@
 Stages present so far: resolve and pin the dataset version, record the pipeline run (metadata store
 and MLflow), publish a summary artifact. Each later gate is added to this same flow.
 
-Heavy libraries (mlflow, pandas) are imported inside the task functions: this module is imported by
-every flow-run subprocess the runner starts, and its import time is event latency.
+This module is imported by every flow-run subprocess the runner spawns, before the run counts as
+started: heavy libraries (sqlalchemy, boto3, mlflow, pandas) are imported inside the functions that
+use them, not here, because their import time is event latency.
 """
 
 from __future__ import annotations
 
 import re
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+from uuid import UUID
 
-from prefect import flow, get_run_logger, task
+from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
-from prefect.cache_policies import NO_CACHE
 from prefect.runtime import flow_run
 
-from sluicegate import ids, storage
-from sluicegate.metadata import MetadataStore
-from sluicegate.metadata import repository as repo
+from flows.wrappers import stage
+from sluicegate import ids
 from sluicegate.settings import Settings
 from tasks import datasets, lineage, reports
 
-# Idempotency lives in the metadata store's keys, not in Prefect's input-hash cache (inputs here
-# carry clients and stores that cannot be hashed anyway).
-TASK_DEFAULTS: dict[str, Any] = {"cache_policy": NO_CACHE}
-NETWORK_RETRIES: dict[str, Any] = {"retries": 3, "retry_delay_seconds": [1, 4, 10]}
+if TYPE_CHECKING:
+    from sluicegate.metadata import MetadataStore
 
 
 @dataclass(frozen=True)
@@ -39,7 +37,11 @@ class PipelineResult:
     status: str
 
 
-def _resolve(settings: Settings, bucket: str, key: str, version_id: str | None) -> tuple[datasets.ResolvedDataset, bytes]:
+def _resolve(
+    settings: Settings, bucket: str, key: str, version_id: str | None
+) -> tuple[datasets.ResolvedDataset, bytes]:
+    from sluicegate import storage
+
     return datasets.resolve_dataset_version(
         storage.s3_client(settings),
         bucket,
@@ -53,6 +55,8 @@ def _resolve(settings: Settings, bucket: str, key: str, version_id: str | None) 
 def _start_run(
     store: MetadataStore, *, trigger: str, event_id: str | None, code: ids.CodeVersion, parameters: dict[str, Any]
 ) -> int:
+    from sluicegate.metadata import repository as repo
+
     with store.session() as session:
         row = repo.start_pipeline_run(
             session,
@@ -67,6 +71,8 @@ def _start_run(
 
 
 def _record_dataset(store: MetadataStore, run_id: int, dataset: datasets.ResolvedDataset) -> None:
+    from sluicegate.metadata import repository as repo
+
     with store.session() as session:
         version = repo.upsert_dataset_version(
             session,
@@ -83,22 +89,26 @@ def _record_dataset(store: MetadataStore, run_id: int, dataset: datasets.Resolve
 
 
 def _record_mlflow(store: MetadataStore, run_id: int, mlflow_run_id: str) -> None:
+    from sluicegate.metadata import repository as repo
+
     with store.session() as session:
         repo.set_pipeline_run_mlflow(session, run_id, mlflow_run_id)
 
 
 def _finish(store: MetadataStore, run_id: int, status: str, reason: str | None) -> None:
+    from sluicegate.metadata import repository as repo
+
     with store.session() as session:
         repo.finish_pipeline_run(session, run_id, status=status, reason=reason)
 
 
-resolve_dataset = task(_resolve, name="resolve-dataset", **TASK_DEFAULTS, **NETWORK_RETRIES)
-record_run_start = task(_start_run, name="record-run-start", **TASK_DEFAULTS, **NETWORK_RETRIES)
-record_dataset = task(_record_dataset, name="record-dataset-version", **TASK_DEFAULTS, **NETWORK_RETRIES)
-track_run = task(lineage.start_pipeline_tracking, name="mlflow-run", **TASK_DEFAULTS, **NETWORK_RETRIES)
-record_mlflow = task(_record_mlflow, name="record-mlflow-run", **TASK_DEFAULTS, **NETWORK_RETRIES)
-end_tracking = task(lineage.end_run, name="mlflow-end-run", **TASK_DEFAULTS, **NETWORK_RETRIES)
-record_finish = task(_finish, name="record-run-finish", **TASK_DEFAULTS, **NETWORK_RETRIES)
+resolve_dataset = stage(_resolve, "resolve-dataset")
+record_run_start = stage(_start_run, "record-run-start")
+record_dataset = stage(_record_dataset, "record-dataset-version")
+track_run = stage(lineage.start_pipeline_tracking, "mlflow-run")
+record_mlflow = stage(_record_mlflow, "record-mlflow-run")
+end_tracking = stage(lineage.end_run, "mlflow-end-run")
+record_finish = stage(_finish, "record-run-finish")
 
 
 def _artifact_key(dataset: str) -> str:
@@ -122,7 +132,7 @@ def _rename_run(name: str) -> None:
     if run_id is None:
         return
     with get_client(sync_client=True) as client:
-        client.update_flow_run(run_id, name=name)
+        client.update_flow_run(UUID(run_id), name=name)
 
 
 @flow(name="pipeline", flow_run_name=_run_name, log_prints=True)
@@ -144,6 +154,8 @@ def pipeline(
         event_id: id of the Prefect event that triggered this run (empty for manual runs).
         trigger: "event", "schedule" or "manual".
     """
+    from sluicegate.metadata import MetadataStore
+
     logger = get_run_logger()
     settings = Settings()
     store = MetadataStore(settings.metadata_url)
@@ -174,8 +186,12 @@ def pipeline(
         experiment = lineage.experiment_id(tracker, settings.mlflow.experiment)
         url = reports.mlflow_run_url(settings.mlflow.url, experiment, mlflow_run_id)
         summary = reports.pipeline_summary(
-            dataset=dataset, code=code, pipeline_run_id=str(run_id), event_id=event_id or None,
-            mlflow_url=url, stages=stages,
+            dataset=dataset,
+            code=code,
+            pipeline_run_id=str(run_id),
+            event_id=event_id or None,
+            mlflow_url=url,
+            stages=stages,
         )
         create_markdown_artifact(
             key=_artifact_key(dataset.name), markdown=summary, description=f"pipeline/{dataset.name}@{dataset.data7}"

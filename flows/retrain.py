@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from prefect import flow, get_run_logger, task
+from prefect import flow, get_run_logger
 
-from flows.pipeline import TASK_DEFAULTS, NETWORK_RETRIES, pipeline
+from flows.pipeline import pipeline
+from flows.wrappers import stage
 from sluicegate import storage
 from sluicegate.settings import Settings
 from tasks import datasets
@@ -18,7 +19,7 @@ def _newest(settings: Settings) -> tuple[str, str | None] | None:
     )
 
 
-find_newest = task(_newest, name="find-newest-dataset", **TASK_DEFAULTS, **NETWORK_RETRIES)
+find_newest = stage(_newest, "find-newest-dataset")
 
 
 @flow(name="scheduled-retrain", log_prints=True)
@@ -28,9 +29,15 @@ def scheduled_retrain() -> dict[str, Any] | None:
     settings = Settings()
     newest = find_newest(settings)
     if newest is None:
-        logger.info("no dataset manifest under s3://%s/%s: nothing to retrain",
-                    settings.storage.bucket, settings.storage.datasets_prefix)
+        logger.info(
+            "no dataset manifest under s3://%s/%s: nothing to retrain",
+            settings.storage.bucket,
+            settings.storage.datasets_prefix,
+        )
         return None
     key, version_id = newest
     logger.info("retraining on s3://%s/%s (version %s)", settings.storage.bucket, key, version_id or "latest")
-    return pipeline(bucket=settings.storage.bucket, key=key, version_id=version_id or "", trigger="schedule")
+    result: dict[str, Any] = pipeline(
+        bucket=settings.storage.bucket, key=key, version_id=version_id or "", trigger="schedule"
+    )
+    return result

@@ -71,7 +71,11 @@ def _print_urls(settings: Settings, state: object) -> None:
     table.add_column("run by")
     rows = [
         ("S3 + SQS", settings.storage.url, "embedded" if settings.storage.embedded else "external"),
-        ("Prefect UI/API", settings.prefect.url.removesuffix("/api"), "embedded" if settings.prefect.embedded else "external"),
+        (
+            "Prefect UI/API",
+            settings.prefect.url.removesuffix("/api"),
+            "embedded" if settings.prefect.embedded else "external",
+        ),
         ("MLflow", settings.mlflow.url, "embedded" if settings.mlflow.embedded else "external"),
         ("metadata store", _redact(settings.metadata_url), "file" if settings.metadata.url is None else "external"),
         ("event webhook", f"http://127.0.0.1:{settings.events.webhook_port}/events", "embedded"),
@@ -100,8 +104,12 @@ def status() -> None:
         table.add_column(column)
     for row in rows:
         table.add_row(
-            row.name, str(row.pid or "-"), "running" if row.running else "[red]not running[/red]",
-            "[green]healthy[/green]" if row.healthy else "[red]unhealthy[/red]", str(row.restarts), row.url,
+            row.name,
+            str(row.pid or "-"),
+            "running" if row.running else "[red]not running[/red]",
+            "[green]healthy[/green]" if row.healthy else "[red]unhealthy[/red]",
+            str(row.restarts),
+            row.url,
         )
     console.print(table)
     if overall != stack.READY:
@@ -119,6 +127,22 @@ def down() -> None:
     if killed:
         console.print(f"killed leftover processes: {killed}")
     console.print("the stack is stopped")
+
+
+@app.command()
+def demo(
+    keep_running: Annotated[bool, typer.Option(help="Leave the stack up at the end.")] = False,
+    timeout: Annotated[float, typer.Option(help="Seconds to wait for the triggered flow run.")] = 300,
+) -> None:
+    """Bring up the stack, push a small dataset, watch the triggered pipeline run and its lineage."""
+    from sluicegate import demo as demo_run
+
+    try:
+        ok = demo_run.run(_settings(), console, keep_running=keep_running, timeout=timeout)
+    except SluicegateError as exc:
+        raise _fail(exc) from exc
+    if not ok:
+        raise typer.Exit(1)
 
 
 @app.command("stack-supervise", hidden=True)

@@ -57,9 +57,7 @@ class ModelVersion:
                 f"model version {text!r} is not of the form vMAJOR.MINOR.PATCH-<commit7>-<data7> "
                 "(e.g. v1.2.0-3f2a1bc-9d0e4f1)"
             )
-        return cls(
-            int(match["major"]), int(match["minor"]), int(match["patch"]), match["commit"], match["data"]
-        )
+        return cls(int(match["major"]), int(match["minor"]), int(match["patch"]), match["commit"], match["data"])
 
 
 def sha256_bytes(data: bytes) -> str:
@@ -104,11 +102,17 @@ def code_version(repo: Path | None = None, baked: str | None = None) -> CodeVers
     try:
         commit = subprocess.run(
             ["git", "-C", str(where), "rev-parse", "HEAD"],
-            check=True, capture_output=True, text=True, timeout=10,
+            check=True,
+            capture_output=True,
+            text=True,
+            timeout=10,
         ).stdout.strip()
         status = subprocess.run(
             ["git", "-C", str(where), "status", "--porcelain", "--untracked-files=no"],
-            check=True, capture_output=True, text=True, timeout=10,
+            check=True,
+            capture_output=True,
+            text=True,
+            timeout=10,
         ).stdout
     except (OSError, subprocess.SubprocessError):
         return CodeVersion(commit="unknown", dirty=False)

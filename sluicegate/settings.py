@@ -50,7 +50,8 @@ class EventSettings(BaseModel):
     """The S3 -> Prefect event bridge."""
 
     sources: list[Literal["sqs", "webhook"]] = Field(
-        default_factory=lambda: ["sqs", "webhook"], description="Event sources the bridge runs."
+        default_factory=lambda: ["sqs", "webhook"],  # type: ignore[arg-type,unused-ignore]
+        description="Event sources the bridge runs.",
     )
     queue_name: str = Field("sluicegate-events", description="SQS queue receiving S3 notifications.")
     dead_letter_queue_name: str = Field(
@@ -104,9 +105,7 @@ class PrefectSettings(BaseModel):
 class MlflowSettings(BaseModel):
     """Tracking and model registry."""
 
-    tracking_uri: str | None = Field(
-        None, description="MLflow tracking URI. Unset: the embedded server on `port`."
-    )
+    tracking_uri: str | None = Field(None, description="MLflow tracking URI. Unset: the embedded server on `port`.")
     port: int = Field(5000, description="Port of the embedded MLflow server.")
     experiment: str = Field("sluicegate", description="Experiment holding pipeline runs.")
     artifacts_prefix: str = Field("mlflow/", description="Key prefix of MLflow artifacts in the bucket.")
@@ -150,21 +149,19 @@ class StackSettings(BaseModel):
 class Settings(BaseSettings):
     """Root of the platform's settings (env prefix ``SLUICEGATE_``, nested groups with ``__``)."""
 
-    model_config = SettingsConfigDict(
-        env_prefix="SLUICEGATE_", env_nested_delimiter="__", extra="forbid", frozen=True
-    )
+    model_config = SettingsConfigDict(env_prefix="SLUICEGATE_", env_nested_delimiter="__", extra="forbid", frozen=True)
 
     home: Path = Field(Path(".sluicegate"), description="State directory of the embedded stack.")
     code_commit: str | None = Field(
         None, description="Git commit of the code when it runs outside a git checkout (baked at image build)."
     )
-    storage: StorageSettings = Field(default_factory=StorageSettings)  # type: ignore[arg-type]
-    events: EventSettings = Field(default_factory=EventSettings)  # type: ignore[arg-type]
-    prefect: PrefectSettings = Field(default_factory=PrefectSettings)  # type: ignore[arg-type]
-    mlflow: MlflowSettings = Field(default_factory=MlflowSettings)  # type: ignore[arg-type]
-    metadata: MetadataSettings = Field(default_factory=MetadataSettings)  # type: ignore[arg-type]
-    retrain: RetrainSettings = Field(default_factory=RetrainSettings)  # type: ignore[arg-type]
-    stack: StackSettings = Field(default_factory=StackSettings)  # type: ignore[arg-type]
+    storage: StorageSettings = Field(default_factory=StorageSettings)
+    events: EventSettings = Field(default_factory=EventSettings)
+    prefect: PrefectSettings = Field(default_factory=PrefectSettings)
+    mlflow: MlflowSettings = Field(default_factory=MlflowSettings)
+    metadata: MetadataSettings = Field(default_factory=MetadataSettings)
+    retrain: RetrainSettings = Field(default_factory=RetrainSettings)
+    stack: StackSettings = Field(default_factory=StackSettings)
 
     @field_validator("home")
     @classmethod

@@ -57,6 +57,9 @@ class PartState:
     url: str
     log: str
     pid: int | None = None
+    # With the pid, identifies the process: a stale state file must not make `down` kill a
+    # process that reused the pid.
+    created: float | None = None
     status: str = STARTING
     restarts: int = 0
     detail: str = ""
@@ -125,35 +128,69 @@ def parts(settings: Settings) -> list[Part]:
     chosen: list[Part] = []
     if settings.storage.embedded:
         url = settings.storage.url
-        chosen.append(Part("s3", [py, "-m", "moto.server", "-H", LOOPBACK, "-p", str(settings.storage.port)],
-                           f"{url}/moto-api/data.json", url))
+        chosen.append(
+            Part(
+                "s3",
+                [py, "-m", "moto.server", "-H", LOOPBACK, "-p", str(settings.storage.port)],
+                f"{url}/moto-api/data.json",
+                url,
+            )
+        )
     if settings.prefect.embedded:
         argv = [_bin("prefect"), "server", "start", "--host", LOOPBACK, "--port", str(settings.prefect.port)]
         if not settings.prefect.ui:
             argv.append("--no-ui")
-        chosen.append(Part("prefect", argv, f"{settings.prefect.url}/health", settings.prefect.url.removesuffix("/api")))
+        chosen.append(
+            Part("prefect", argv, f"{settings.prefect.url}/health", settings.prefect.url.removesuffix("/api"))
+        )
     if settings.mlflow.embedded:
         artifacts = f"s3://{settings.storage.bucket}/{settings.mlflow.artifacts_prefix.strip('/')}"
         argv = [
-            _bin("mlflow"), "server", "--host", LOOPBACK, "--port", str(settings.mlflow.port), "--workers", "1",
-            "--backend-store-uri", f"sqlite:///{settings.home / 'mlflow.db'}", "--artifacts-destination", artifacts,
+            _bin("mlflow"),
+            "server",
+            "--host",
+            LOOPBACK,
+            "--port",
+            str(settings.mlflow.port),
+            "--workers",
+            "1",
+            "--backend-store-uri",
+            f"sqlite:///{settings.home / 'mlflow.db'}",
+            "--artifacts-destination",
+            artifacts,
         ]
         # One worker and no job runner: the default server starts 16 processes (~3 GB) (FACTS.md).
-        chosen.append(Part("mlflow", argv, f"{settings.mlflow.url}/health", settings.mlflow.url,
-                           {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}))
-    chosen.append(Part("bridge", [py, "-m", "sluicegate.cli", "bridge"],
-                       f"http://{LOOPBACK}:{settings.events.webhook_port}/health",
-                       f"http://{LOOPBACK}:{settings.events.webhook_port}/events"))
-    chosen.append(Part(
-        "runner", [py, "-m", "sluicegate.cli", "runner"],
-        f"http://{LOOPBACK}:{settings.prefect.runner_port}/health", "dataset-pipeline, scheduled-retrain",
-        {
-            "PREFECT_RUNNER_POLL_FREQUENCY": str(settings.prefect.runner_poll_seconds),
-            "PREFECT_RUNNER_SERVER_ENABLE": "true",
-            "PREFECT_RUNNER_SERVER_HOST": LOOPBACK,
-            "PREFECT_RUNNER_SERVER_PORT": str(settings.prefect.runner_port),
-        },
-    ))
+        chosen.append(
+            Part(
+                "mlflow",
+                argv,
+                f"{settings.mlflow.url}/health",
+                settings.mlflow.url,
+                {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"},
+            )
+        )
+    chosen.append(
+        Part(
+            "bridge",
+            [py, "-m", "sluicegate.cli", "bridge"],
+            f"http://{LOOPBACK}:{settings.events.webhook_port}/health",
+            f"http://{LOOPBACK}:{settings.events.webhook_port}/events",
+        )
+    )
+    chosen.append(
+        Part(
+            "runner",
+            [py, "-m", "flows.deployments"],
+            f"http://{LOOPBACK}:{settings.prefect.runner_port}/health",
+            "dataset-pipeline, scheduled-retrain",
+            {
+                "PREFECT_RUNNER_POLL_FREQUENCY": str(settings.prefect.runner_poll_seconds),
+                "PREFECT_RUNNER_SERVER_ENABLE": "true",
+                "PREFECT_RUNNER_SERVER_HOST": LOOPBACK,
+                "PREFECT_RUNNER_SERVER_PORT": str(settings.prefect.runner_port),
+            },
+        )
+    )
     return chosen
 
 
@@ -183,9 +220,9 @@ def kill_tree(pid: int, timeout: float) -> None:
             proc.terminate()
     _, alive = psutil.wait_procs(procs, timeout=timeout)
     # Children spawned while we waited (a runner starting a flow run) are caught here too.
-    for proc in alive + [child for proc in alive for child in _children(proc)]:
+    for leftover in alive + [child for proc in alive for child in _children(proc)]:
         with contextlib.suppress(psutil.Error):
-            proc.kill()
+            leftover.kill()
     psutil.wait_procs(alive, timeout=5)
 
 
@@ -216,13 +253,20 @@ class Supervisor:
         log_path = self.paths.logs / f"{part.name}.log"
         handle = log_path.open("ab")
         proc = subprocess.Popen(
-            part.argv, env={**self.env, **part.env}, stdout=handle, stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL, cwd=self.settings.home, start_new_session=True,
+            part.argv,
+            env={**self.env, **part.env},
+            stdout=handle,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            cwd=self.settings.home,
+            start_new_session=True,
         )
         handle.close()
         self.procs[part.name] = proc
         st = self.state.parts.setdefault(part.name, PartState(part.name, part.url, str(log_path)))
         st.pid, st.status = proc.pid, STARTING
+        with contextlib.suppress(psutil.Error):
+            st.created = psutil.Process(proc.pid).create_time()
         self.write_state()
 
     def wait_healthy(self, part: Part) -> None:
@@ -236,8 +280,9 @@ class Supervisor:
                 self.write_state()
                 return
             time.sleep(0.25)
-        raise StackError(f"{part.name} did not become healthy at {part.health_url} "
-                         f"within {self.settings.stack.start_timeout:.0f} s")
+        raise StackError(
+            f"{part.name} did not become healthy at {part.health_url} within {self.settings.stack.start_timeout:.0f} s"
+        )
 
     def start(self, before: dict[str, Callable[[], None]]) -> None:
         """Start the parts in phases: the services together, then their clients (bridge, runner).
@@ -301,7 +346,10 @@ class Supervisor:
 
 
 def _provision(settings: Settings) -> Callable[[], None]:
-    return lambda: storage.provision(settings)
+    def run() -> None:
+        storage.provision(settings)
+
+    return run
 
 
 def _upgrade_metadata(settings: Settings) -> Callable[[], None]:
@@ -405,8 +453,12 @@ def up(settings: Settings, on_progress: Callable[[StackState], None] | None = No
     with paths.supervisor_log.open("ab") as handle:
         subprocess.Popen(
             [sys.executable, "-m", "sluicegate.cli", "stack-supervise"],
-            env=child_env(settings), stdout=handle, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            cwd=settings.home, start_new_session=True,
+            env=child_env(settings),
+            stdout=handle,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            cwd=settings.home,
+            start_new_session=True,
         )
     return _wait_ready(paths, settings, on_progress), True
 
@@ -451,7 +503,7 @@ def status(settings: Settings) -> tuple[str, list[PartHealth]]:
     by_name = {part.name: part for part in parts(settings)}
     rows = []
     for name, st in state.parts.items():
-        running = st.pid is not None and psutil.pid_exists(st.pid) and alive
+        running = alive and st.pid is not None and _running(st.pid, st.created)
         ok = running and name in by_name and healthy(by_name[name].health_url)
         rows.append(PartHealth(name, st.url, st.pid, running, ok, st.restarts, st.log))
     overall = "stopped" if not alive else state.status if all(r.healthy for r in rows) else "degraded"
@@ -477,16 +529,18 @@ def down(settings: Settings) -> list[int]:
             time.sleep(0.1)
     # Whatever outlived the supervisor (it was SIGKILLed, or crashed) is stopped here.
     for st in state.parts.values() if state else []:
-        if st.pid is not None and _running(st.pid):
+        if st.pid is not None and _running(st.pid, st.created):
             kill_tree(st.pid, settings.stack.stop_timeout)
             killed.append(st.pid)
     return killed
 
 
-def _running(pid: int) -> bool:
-    """Alive and not a zombie (an exited child its parent has not reaped yet)."""
+def _running(pid: int, created: float | None = None) -> bool:
+    """Alive, not a zombie (exited, not yet reaped), and (when known) the same process we started."""
     try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+        proc = psutil.Process(pid)
+        same = created is None or abs(proc.create_time() - created) < 1.0
+        return bool(same and proc.status() != psutil.STATUS_ZOMBIE)
     except psutil.NoSuchProcess:
         return False
 

@@ -106,22 +106,18 @@ def provision(settings: Settings) -> dict[str, str]:
         # Versioning gives every object PUT its own version id, the data version's anchor in lineage.
         s3.put_bucket_versioning(Bucket=bucket, VersioningConfiguration={"Status": "Enabled"})
         dlq_url = sqs.create_queue(QueueName=events.dead_letter_queue_name)["QueueUrl"]
-        dlq_arn = sqs.get_queue_attributes(QueueUrl=dlq_url, AttributeNames=["QueueArn"])["Attributes"][
-            "QueueArn"
-        ]
+        dlq_arn = sqs.get_queue_attributes(QueueUrl=dlq_url, AttributeNames=["QueueArn"])["Attributes"]["QueueArn"]
         main_url = sqs.create_queue(
             QueueName=events.queue_name,
             Attributes={"VisibilityTimeout": str(events.visibility_timeout)},
         )["QueueUrl"]
-        main_arn = sqs.get_queue_attributes(QueueUrl=main_url, AttributeNames=["QueueArn"])["Attributes"][
-            "QueueArn"
-        ]
+        main_arn = sqs.get_queue_attributes(QueueUrl=main_url, AttributeNames=["QueueArn"])["Attributes"]["QueueArn"]
         # SQS moves a message that keeps failing (the bridge crashing on it) to the DLQ by itself.
         sqs.set_queue_attributes(
             QueueUrl=main_url,
             Attributes={"RedrivePolicy": json.dumps({"deadLetterTargetArn": dlq_arn, "maxReceiveCount": "5"})},
         )
-        rules: list[dict[str, Any]] = [{"Name": "prefix", "Value": settings.storage.datasets_prefix}]
+        rules: list[Any] = [{"Name": "prefix", "Value": settings.storage.datasets_prefix}]
         if events.notification_suffix:
             rules.append({"Name": "suffix", "Value": events.notification_suffix})
         s3.put_bucket_notification_configuration(
@@ -132,7 +128,7 @@ def provision(settings: Settings) -> dict[str, str]:
                         "Id": "sluicegate-dataset-events",
                         "QueueArn": main_arn,
                         "Events": ["s3:ObjectCreated:*"],
-                        "Filter": {"Key": {"FilterRules": rules}},  # type: ignore[typeddict-item]
+                        "Filter": {"Key": {"FilterRules": rules}},
                     }
                 ]
             },

@@ -129,7 +129,9 @@ def read_manifest(s3: S3Client, bucket: str, key: str, version_id: str | None = 
     except ClientError as exc:
         code = exc.response.get("Error", {}).get("Code", "")
         if code in ("NoSuchKey", "NoSuchVersion", "404"):
-            raise DatasetError(f"manifest s3://{bucket}/{key} (version {version_id or 'latest'}) does not exist") from exc
+            raise DatasetError(
+                f"manifest s3://{bucket}/{key} (version {version_id or 'latest'}) does not exist"
+            ) from exc
         raise StorageError(f"reading s3://{bucket}/{key} failed: {exc}") from exc
     except BotoCoreError as exc:
         raise StorageError(f"reading s3://{bucket}/{key} failed: {exc}") from exc

@@ -87,7 +87,7 @@ def start_pipeline_tracking(
         TAG_CODE_DIRTY: str(code.dirty).lower(),
     }
     run = tracker.create_run(exp, tags=tags, run_name=f"pipeline/{dataset.name}@{dataset.data7}")
-    run_id = run.info.run_id
+    run_id: str = run.info.run_id
     _log_dataset_input(tracker, run_id, dataset, manifest)
     tracker.log_param(run_id, "dataset", dataset.name)
     tracker.log_param(run_id, "dataset_label", dataset.label)
@@ -96,10 +96,20 @@ def start_pipeline_tracking(
         folder = Path(tmp) / "dataset"
         folder.mkdir()
         (folder / "manifest.csv").write_bytes(manifest)
-        (folder / "objects.json").write_text(json.dumps(
-            {"bucket": dataset.bucket, "prefix": dataset.prefix, "manifest_key": dataset.manifest_key,
-             "manifest_version_id": dataset.manifest_version_id, "manifest_etag": dataset.manifest_etag,
-             "objects": dataset.objects}, indent=2, sort_keys=True))
+        (folder / "objects.json").write_text(
+            json.dumps(
+                {
+                    "bucket": dataset.bucket,
+                    "prefix": dataset.prefix,
+                    "manifest_key": dataset.manifest_key,
+                    "manifest_version_id": dataset.manifest_version_id,
+                    "manifest_etag": dataset.manifest_etag,
+                    "objects": dataset.objects,
+                },
+                indent=2,
+                sort_keys=True,
+            )
+        )
         tracker.log_artifacts(run_id, str(folder), artifact_path="dataset")
     return run_id
 

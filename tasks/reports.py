@@ -36,7 +36,10 @@ def pipeline_summary(
         [
             ["dataset", f"`{dataset.name}` / `{dataset.label}`"],
             ["data version", f"`{dataset.data_version}`"],
-            ["manifest", f"`{dataset.uri}` (version `{dataset.manifest_version_id or '-'}`, etag `{dataset.manifest_etag}`)"],
+            [
+                "manifest",
+                f"`{dataset.uri}` (version `{dataset.manifest_version_id or '-'}`, etag `{dataset.manifest_etag}`)",
+            ],
             ["objects", f"{len(dataset.objects)} listed, {dataset.rows} manifest rows"],
             ["code version", f"`{code.commit}`" + (" (dirty)" if code.dirty else "")],
             ["pipeline run", f"`{pipeline_run_id}`"],

@@ -178,8 +178,10 @@ def parse_message(body: str | bytes) -> ParsedMessage:
         return ParsedMessage(records=(result,)) if isinstance(result, S3ObjectEvent) else ParsedMessage((), (result,))
     records = message.get("Records")
     if not isinstance(records, list) or not records:
-        raise EventError("message has no 'Records' list; expected an S3 event notification, "
-                         "an SNS notification wrapping one, or an EventBridge 'Object Created' event")
+        raise EventError(
+            "message has no 'Records' list; expected an S3 event notification, "
+            "an SNS notification wrapping one, or an EventBridge 'Object Created' event"
+        )
     parsed: list[S3ObjectEvent] = []
     ignored: list[str] = []
     for index, record in enumerate(records):

@@ -22,10 +22,17 @@ from tests.fixtures.services import free_port
 
 
 def record(key: str, etag: str = "e-1", **extra: object) -> str:
-    return json.dumps({"Records": [{
-        "eventName": "ObjectCreated:Put", "eventTime": "2026-11-29T10:00:00Z",
-        "s3": {"bucket": {"name": "sluicegate"}, "object": {"key": key, "size": 3, "eTag": etag, **extra}},
-    }]})
+    return json.dumps(
+        {
+            "Records": [
+                {
+                    "eventName": "ObjectCreated:Put",
+                    "eventTime": "2026-11-29T10:00:00Z",
+                    "s3": {"bucket": {"name": "sluicegate"}, "object": {"key": key, "size": 3, "eTag": etag, **extra}},
+                }
+            ]
+        }
+    )
 
 
 def prefect_events(api: str, resource_id: str, timeout: float = 30.0, want: int = 1) -> list[dict[str, object]]:
@@ -33,8 +40,10 @@ def prefect_events(api: str, resource_id: str, timeout: float = 30.0, want: int 
     deadline = time.monotonic() + timeout
     events: list[dict[str, object]] = []
     while time.monotonic() < deadline:
-        response = httpx.post(f"{api}/events/filter", json={
-            "filter": {"event": {"name": ["s3.object.created"]}, "resource": {"id": [resource_id]}}, "limit": 50})
+        response = httpx.post(
+            f"{api}/events/filter",
+            json={"filter": {"event": {"name": ["s3.object.created"]}, "resource": {"id": [resource_id]}}, "limit": 50},
+        )
         response.raise_for_status()
         events = response.json()["events"]
         if len(events) >= want:
@@ -68,7 +77,9 @@ def test_emits_once_per_object_version(platform: Settings, store: MetadataStore,
     sink.close()
 
 
-def test_malformed_goes_to_dead_letters_and_the_next_message_still_flows(platform: Settings, store: MetadataStore) -> None:
+def test_malformed_goes_to_dead_letters_and_the_next_message_still_flows(
+    platform: Settings, store: MetadataStore
+) -> None:
     bridge, sink = build_bridge(platform, store)
     bad = bridge.handle('{"Records": [{"eventName": "ObjectCreated:Put"}]}', "sqs")
     good = bridge.handle(record(f"datasets/{platform.storage.bucket}/v2/manifest.csv"), "sqs")
@@ -138,8 +149,9 @@ def test_webhook_answers_by_outcome(platform: Settings, store: MetadataStore) ->
 
     bridge, sink = build_bridge(platform, store)
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(webhook_app(bridge, "s3cret", []), host="127.0.0.1", port=port,
-                                           log_level="warning"))
+    server = uvicorn.Server(
+        uvicorn.Config(webhook_app(bridge, "s3cret", []), host="127.0.0.1", port=port, log_level="warning")
+    )
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     client = httpx.Client(base_url=f"http://127.0.0.1:{port}")

@@ -37,8 +37,11 @@ def test_real_s3_fields_become_labels_and_distinguish_versions() -> None:
 
 
 def test_minio_webhook_and_sns_wrapping() -> None:
-    minio = {"EventName": "s3:ObjectCreated:Put", "Key": "sluicegate/datasets/pcb/v1/manifest.csv",
-             "Records": [s3_record(eTag='"quoted"')]}
+    minio = {
+        "EventName": "s3:ObjectCreated:Put",
+        "Key": "sluicegate/datasets/pcb/v1/manifest.csv",
+        "Records": [s3_record(eTag='"quoted"')],
+    }
     [record] = parse_message(json.dumps(minio)).records
     assert record.etag == "quoted"
     sns = {"Type": "Notification", "Message": json.dumps({"Records": [s3_record()]})}
@@ -47,11 +50,21 @@ def test_minio_webhook_and_sns_wrapping() -> None:
 
 def test_eventbridge_object_created() -> None:
     event = {
-        "version": "0", "detail-type": "Object Created", "source": "aws.s3", "time": "2026-11-29T10:00:00Z",
-        "detail": {"bucket": {"name": "sluicegate"},
-                   "object": {"key": "datasets/pcb/v1/manifest.csv", "size": 7, "etag": "e1",
-                              "version-id": "v9", "sequencer": "00ff"},
-                   "reason": "PutObject"},
+        "version": "0",
+        "detail-type": "Object Created",
+        "source": "aws.s3",
+        "time": "2026-11-29T10:00:00Z",
+        "detail": {
+            "bucket": {"name": "sluicegate"},
+            "object": {
+                "key": "datasets/pcb/v1/manifest.csv",
+                "size": 7,
+                "etag": "e1",
+                "version-id": "v9",
+                "sequencer": "00ff",
+            },
+            "reason": "PutObject",
+        },
     }
     [record] = parse_message(json.dumps(event)).records
     assert (record.bucket, record.version_id, record.sequencer, record.size) == ("sluicegate", "v9", "00ff", 7)
@@ -71,7 +84,10 @@ def test_test_event_and_removals_are_ignored_not_errors() -> None:
         ("not json", "not JSON"),
         ("[1, 2]", "JSON list"),
         ('{"hello": 1}', "no 'Records' list"),
-        (json.dumps({"Records": [{"eventName": "ObjectCreated:Put"}]}), r"Records\[0\]: missing field 's3.bucket.name'"),
+        (
+            json.dumps({"Records": [{"eventName": "ObjectCreated:Put"}]}),
+            r"Records\[0\]: missing field 's3.bucket.name'",
+        ),
         (json.dumps({"Records": [s3_record(size="big")]}), "size 'big' is not an integer"),
         (json.dumps({"Records": [{**s3_record(), "eventTime": "yesterday"}]}), "eventTime 'yesterday'"),
         (json.dumps({"Records": [s3_record(eTag="")]}), "'s3.object.eTag' must be a non-empty string"),

@@ -43,12 +43,13 @@ def test_pipeline_records_lineage(pg_platform: Settings) -> None:
 
 
 def test_a_broken_dataset_fails_the_run_with_the_reason(pg_platform: Settings) -> None:
-    from tests.fixtures.platform import manifest_for
     from sluicegate import storage
+    from tests.fixtures.platform import manifest_for
 
     key = "datasets/pcb/broken/manifest.csv"
     storage.s3_client(pg_platform).put_object(
-        Bucket=pg_platform.storage.bucket, Key=key, Body=manifest_for(["images/missing.png"]))
+        Bucket=pg_platform.storage.bucket, Key=key, Body=manifest_for(["images/missing.png"])
+    )
     with pytest.raises(Exception, match="do not exist"):
         pipeline(bucket=pg_platform.storage.bucket, key=key, trigger="manual")
     store = MetadataStore(pg_platform.metadata_url)

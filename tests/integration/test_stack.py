@@ -4,6 +4,7 @@ PUT manifest -> S3 notification -> SQS -> bridge -> Prefect event -> trigger -> 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import time
@@ -45,10 +46,8 @@ def all_pids(settings: Settings) -> set[int]:
     assert state is not None
     pids = {state.supervisor_pid} | {part.pid for part in state.parts.values() if part.pid}
     for pid in list(pids):
-        try:
+        with contextlib.suppress(psutil.NoSuchProcess):
             pids |= {child.pid for child in psutil.Process(pid).children(recursive=True)}
-        except psutil.NoSuchProcess:
-            pass
     return pids
 
 
@@ -66,8 +65,9 @@ def running_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Settings
 
 
 def flow_runs_for(settings: Settings, key: str) -> list[dict[str, Any]]:
-    response = httpx.post(f"{settings.prefect.url}/flow_runs/filter",
-                          json={"flow_runs": {"tags": {"all_": ["pipeline"]}}, "limit": 200})
+    response = httpx.post(
+        f"{settings.prefect.url}/flow_runs/filter", json={"flow_runs": {"tags": {"all_": ["pipeline"]}}, "limit": 200}
+    )
     response.raise_for_status()
     return [run for run in response.json() if run["parameters"].get("key") == key]
 
@@ -113,8 +113,9 @@ def test_manifest_upload_runs_the_pipeline_and_records_lineage(running_stack: Se
     assert tracked.data.tags[lineage.TAG_FLOW_RUN] == run["id"]
     assert tracked.data.tags[lineage.TAG_EVENT] == event.event_id
     # The summary artifact is in Prefect for operators.
-    artifacts = httpx.post(f"{running_stack.prefect.url}/artifacts/filter",
-                           json={"artifacts": {"flow_run_id": {"any_": [run["id"]]}}}).json()
+    artifacts = httpx.post(
+        f"{running_stack.prefect.url}/artifacts/filter", json={"artifacts": {"flow_run_id": {"any_": [run["id"]]}}}
+    ).json()
     assert any(a["type"] == "markdown" and "data version" in a["data"] for a in artifacts)
 
 
@@ -124,12 +125,22 @@ def test_duplicate_delivery_gives_one_run(running_stack: Settings) -> None:
     head = storage.s3_client(running_stack).head_object(Bucket=running_stack.storage.bucket, Key=key)
     # The notification as moto sends it (no versionId, no sequencer), delivered twice more:
     # once again through SQS, once through the webhook.
-    body = json.dumps({"Records": [{
-        "eventVersion": "2.1", "eventSource": "aws:s3", "eventName": "ObjectCreated:Put",
-        "eventTime": "2026-11-29T10:00:00.000Z",
-        "s3": {"bucket": {"name": running_stack.storage.bucket},
-               "object": {"key": key, "size": head["ContentLength"], "eTag": head["ETag"].strip('"')}},
-    }]})
+    body = json.dumps(
+        {
+            "Records": [
+                {
+                    "eventVersion": "2.1",
+                    "eventSource": "aws:s3",
+                    "eventName": "ObjectCreated:Put",
+                    "eventTime": "2026-11-29T10:00:00.000Z",
+                    "s3": {
+                        "bucket": {"name": running_stack.storage.bucket},
+                        "object": {"key": key, "size": head["ContentLength"], "eTag": head["ETag"].strip('"')},
+                    },
+                }
+            ]
+        }
+    )
     sqs = storage.sqs_client(running_stack)
     sqs.send_message(QueueUrl=storage.queue_url(running_stack, sqs), MessageBody=body)
     hook = httpx.post(f"http://127.0.0.1:{running_stack.events.webhook_port}/events", content=body)

@@ -40,8 +40,9 @@ def test_missing_objects_are_named(platform: Settings) -> None:
 
 def test_missing_manifest_version(platform: Settings) -> None:
     with pytest.raises(DatasetError, match="does not exist"):
-        datasets.resolve_dataset_version(storage.s3_client(platform), platform.storage.bucket,
-                                         "datasets/pcb/none/manifest.csv")
+        datasets.resolve_dataset_version(
+            storage.s3_client(platform), platform.storage.bucket, "datasets/pcb/none/manifest.csv"
+        )
 
 
 def test_newest_manifest(platform: Settings) -> None:
