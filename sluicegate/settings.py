@@ -11,13 +11,19 @@ import json
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field, SecretStr, field_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 LOOPBACK = "127.0.0.1"
 
 
-class StorageSettings(BaseModel):
+class Group(BaseModel):
+    """A nested settings group: a misspelt variable (SLUICEGATE_STORAGE__BUKET) is an error, not ignored."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class StorageSettings(Group):
     """Object store (S3 API) and its event queue."""
 
     endpoint_url: str | None = Field(
@@ -46,7 +52,7 @@ class StorageSettings(BaseModel):
         return self.endpoint_url or f"http://{LOOPBACK}:{self.port}"
 
 
-class EventSettings(BaseModel):
+class EventSettings(Group):
     """The S3 -> Prefect event bridge."""
 
     sources: list[Literal["sqs", "webhook"]] = Field(
@@ -76,7 +82,7 @@ class EventSettings(BaseModel):
     event_name: str = Field("s3.object.created", description="Prefect event name emitted per object.")
 
 
-class PrefectSettings(BaseModel):
+class PrefectSettings(Group):
     """Orchestration."""
 
     api_url: str | None = Field(
@@ -102,7 +108,7 @@ class PrefectSettings(BaseModel):
         return self.api_url or f"http://{LOOPBACK}:{self.port}/api"
 
 
-class MlflowSettings(BaseModel):
+class MlflowSettings(Group):
     """Tracking and model registry."""
 
     tracking_uri: str | None = Field(None, description="MLflow tracking URI. Unset: the embedded server on `port`.")
@@ -119,7 +125,7 @@ class MlflowSettings(BaseModel):
         return self.tracking_uri or f"http://{LOOPBACK}:{self.port}"
 
 
-class MetadataSettings(BaseModel):
+class MetadataSettings(Group):
     """The metadata (lineage) store."""
 
     url: str | None = Field(
@@ -129,7 +135,7 @@ class MetadataSettings(BaseModel):
     )
 
 
-class RetrainSettings(BaseModel):
+class RetrainSettings(Group):
     """Scheduled retraining."""
 
     cron: str | None = Field(
@@ -138,7 +144,7 @@ class RetrainSettings(BaseModel):
     timezone: str = Field("UTC", description="Timezone of the retrain cron.")
 
 
-class StackSettings(BaseModel):
+class StackSettings(Group):
     """The embedded stack's supervisor."""
 
     start_timeout: float = Field(120.0, gt=0, description="Seconds to wait for each part to become healthy.")
@@ -190,7 +196,7 @@ class Settings(BaseSettings):
 
         for name, field in type(self).model_fields.items():
             value = getattr(self, name)
-            if isinstance(value, BaseModel):
+            if isinstance(value, Group):
                 for sub, sub_field in type(value).model_fields.items():
                     sub_value = getattr(value, sub)
                     if sub_value is not None and sub_value != sub_field.get_default(call_default_factory=True):
