@@ -145,6 +145,19 @@ def demo(
         raise typer.Exit(1)
 
 
+@app.command()
+def config(
+    markdown: Annotated[bool, typer.Option(help="Print every setting as the README's markdown table.")] = False,
+) -> None:
+    """Show the effective settings (secrets masked), or document them all with --markdown."""
+    from sluicegate.settings import settings_markdown
+
+    if markdown:
+        typer.echo(settings_markdown())
+        return
+    console.print_json(_settings().model_dump_json())
+
+
 @app.command("stack-supervise", hidden=True)
 def stack_supervise() -> None:
     """The detached supervisor process (started by `up`)."""

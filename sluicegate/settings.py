@@ -204,3 +204,34 @@ class Settings(BaseSettings):
             elif value is not None and (name == "home" or value != field.get_default(call_default_factory=True)):
                 env[f"SLUICEGATE_{name.upper()}"] = encode(value)
         return env
+
+
+def settings_table() -> list[tuple[str, str, str]]:
+    """(environment variable, default, description) for every setting: the README's table."""
+    rows: list[tuple[str, str, str]] = []
+
+    def default_of(field: Any) -> str:
+        value = field.get_default(call_default_factory=True)
+        if value is None:
+            return "(unset)"
+        if isinstance(value, list):
+            return json.dumps(value)
+        return str(value)
+
+    for name, field in Settings.model_fields.items():
+        annotation = field.annotation
+        if isinstance(annotation, type) and issubclass(annotation, Group):
+            for sub, sub_field in annotation.model_fields.items():
+                rows.append(
+                    (f"SLUICEGATE_{name.upper()}__{sub.upper()}", default_of(sub_field), sub_field.description or "")
+                )
+        else:
+            default = ".sluicegate" if name == "home" else default_of(field)
+            rows.append((f"SLUICEGATE_{name.upper()}", default, field.description or ""))
+    return rows
+
+
+def settings_markdown() -> str:
+    lines = ["| variable | default | what it sets |", "|---|---|---|"]
+    lines += [f"| `{var}` | `{default}` | {text} |" for var, default, text in settings_table()]
+    return "\n".join(lines)
