@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
-from typing import Annotated
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
@@ -12,6 +14,9 @@ from rich.table import Table
 
 from sluicegate.errors import SluicegateError
 from sluicegate.settings import Settings
+
+if TYPE_CHECKING:
+    from sluicegate.metadata import MetadataStore
 
 app = typer.Typer(no_args_is_help=True, help="sluicegate: a dataset lands in S3, a better model serves traffic.")
 db_app = typer.Typer(no_args_is_help=True, help="The metadata store's schema.")
@@ -188,53 +193,43 @@ def runner() -> None:
     deployments.serve(_settings())
 
 
-@db_app.command("upgrade")
-def db_upgrade(revision: Annotated[str, typer.Argument(help="Target revision.")] = "head") -> None:
-    """Migrate the metadata store's schema (to the newest by default)."""
+@contextlib.contextmanager
+def _store() -> Iterator[MetadataStore]:
+    """The configured metadata store for one command; its errors become a clean exit."""
     from sluicegate.metadata import MetadataStore
 
-    settings = _settings()
-    store = MetadataStore(settings.metadata_url)
+    store = MetadataStore(_settings().metadata_url)
     try:
-        before = store.current_revision()
-        store.upgrade(revision)
-        console.print(f"{store.url_redacted}: {before or 'empty'} -> {store.current_revision()}")
+        yield store
     except SluicegateError as exc:
         raise _fail(exc) from exc
     finally:
         store.dispose()
+
+
+@db_app.command("upgrade")
+def db_upgrade(revision: Annotated[str, typer.Argument(help="Target revision.")] = "head") -> None:
+    """Migrate the metadata store's schema (to the newest by default)."""
+    with _store() as store:
+        before = store.current_revision()
+        store.upgrade(revision)
+        console.print(f"{store.url_redacted}: {before or 'empty'} -> {store.current_revision()}")
 
 
 @db_app.command("downgrade")
 def db_downgrade(revision: Annotated[str, typer.Argument(help="Target revision, e.g. -1 or base.")]) -> None:
     """Step the metadata store's schema back."""
-    from sluicegate.metadata import MetadataStore
-
-    settings = _settings()
-    store = MetadataStore(settings.metadata_url)
-    try:
+    with _store() as store:
         store.downgrade(revision)
         console.print(f"{store.url_redacted}: now at {store.current_revision() or 'base'}")
-    except SluicegateError as exc:
-        raise _fail(exc) from exc
-    finally:
-        store.dispose()
 
 
 @db_app.command("current")
 def db_current() -> None:
-    """Show the schema revision the store is at and the one this code expects."""
-    from sluicegate.metadata import MetadataStore
-
-    settings = _settings()
-    store = MetadataStore(settings.metadata_url)
-    try:
+    """Show the schema revision the store is at and the one this code expects; exit 1 if they differ."""
+    with _store() as store:
         current, head = store.current_revision(), store.head_revision()
-    except SluicegateError as exc:
-        raise _fail(exc) from exc
-    finally:
-        store.dispose()
-    console.print(f"{store.url_redacted}: at {current or 'empty'}, code expects {head}")
+        console.print(f"{store.url_redacted}: at {current or 'empty'}, code expects {head}")
     if current != head:
         raise typer.Exit(1)
 
