@@ -46,7 +46,7 @@ demo: $(STAMP)
 	$(BIN)/sluicegate demo
 
 bench: $(STAMP)
-	$(BIN)/python -m benchmarks.event_latency
+	$(BIN)/python -m benchmarks
 
 up: $(STAMP)
 	$(BIN)/sluicegate up

@@ -19,10 +19,12 @@ from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 from prefect.runtime import flow_run
 
+from flows import gates
 from flows.wrappers import stage
 from sluicegate import ids
 from sluicegate.settings import Settings
 from tasks import datasets, lineage, reports
+from tasks.champion import PREPROCESSING_ARTIFACT
 
 if TYPE_CHECKING:
     from sluicegate.metadata import MetadataStore
@@ -109,6 +111,7 @@ track_run = stage(lineage.start_pipeline_tracking, "mlflow-run")
 record_mlflow = stage(_record_mlflow, "record-mlflow-run")
 end_tracking = stage(lineage.end_run, "mlflow-end-run")
 record_finish = stage(_finish, "record-run-finish")
+log_json = stage(lineage.log_json, "mlflow-log")
 
 
 def _artifact_key(dataset: str) -> str:
@@ -123,6 +126,33 @@ def _run_name() -> str:
     except Exception:
         return "pipeline/" + (key.rsplit("/", 2)[0][-40:] or "unknown")
     return f"pipeline/{ref.name}@{ref.label}"
+
+
+def _publish_summary(
+    settings: Settings,
+    dataset: datasets.ResolvedDataset,
+    code: ids.CodeVersion,
+    run_id: int,
+    event_id: str,
+    mlflow_run_id: str | None,
+    stages: list[tuple[str, str, str]],
+) -> None:
+    """The run's summary artifact, written whether the run passed every stage or stopped at one."""
+    url = None
+    if mlflow_run_id is not None:
+        experiment = lineage.experiment_id(lineage.client(settings.mlflow.url), settings.mlflow.experiment)
+        url = reports.mlflow_run_url(settings.mlflow.url, experiment, mlflow_run_id)
+    summary = reports.pipeline_summary(
+        dataset=dataset,
+        code=code,
+        pipeline_run_id=str(run_id),
+        event_id=event_id or None,
+        mlflow_url=url,
+        stages=stages,
+    )
+    create_markdown_artifact(
+        key=_artifact_key(dataset.name), markdown=summary, description=f"pipeline/{dataset.name}@{dataset.data7}"
+    )
 
 
 def _rename_run(name: str) -> None:
@@ -165,6 +195,7 @@ def pipeline(
     run_id = record_run_start(store, trigger=trigger, event_id=event_id or None, code=code, parameters=parameters)
     stages: list[tuple[str, str, str]] = []
     mlflow_run_id: str | None = None
+    dataset: datasets.ResolvedDataset | None = None
     try:
         dataset, manifest = resolve_dataset(settings, bucket, key, version_id or None)
         stages.append(("resolve dataset", "passed", f"{len(dataset.objects)} objects pinned"))
@@ -182,20 +213,30 @@ def pipeline(
         )
         record_mlflow(store, run_id, mlflow_run_id)
         stages.append(("lineage", "recorded", f"MLflow run {mlflow_run_id}"))
-        tracker = lineage.client(settings.mlflow.url)
-        experiment = lineage.experiment_id(tracker, settings.mlflow.experiment)
-        url = reports.mlflow_run_url(settings.mlflow.url, experiment, mlflow_run_id)
-        summary = reports.pipeline_summary(
+        # What the candidate is fed: champions found later through the registry are compared with this.
+        log_json(settings.mlflow.url, mlflow_run_id, gates.candidate_spec(settings).to_dict(), PREPROCESSING_ARTIFACT)
+
+        verdict, validation, baseline = gates.data_gate(settings, dataset, manifest)
+        gates.publish_verdict(
+            settings,
+            store,
+            run_id=run_id,
+            mlflow_run_id=mlflow_run_id,
             dataset=dataset,
-            code=code,
-            pipeline_run_id=str(run_id),
-            event_id=event_id or None,
-            mlflow_url=url,
-            stages=stages,
+            verdict=verdict,
+            evidence={"gx_validation": validation},
         )
-        create_markdown_artifact(
-            key=_artifact_key(dataset.name), markdown=summary, description=f"pipeline/{dataset.name}@{dataset.data7}"
+        stages.append(("data gate", "passed" if verdict.passed else "FAILED", verdict.reason()))
+        gates.enforce(verdict)
+        log_json(settings.mlflow.url, mlflow_run_id, baseline, "dataset/channel_baseline.json")
+
+        verdict = gates.feature_gate(settings, dataset)
+        gates.publish_verdict(
+            settings, store, run_id=run_id, mlflow_run_id=mlflow_run_id, dataset=dataset, verdict=verdict
         )
+        stages.append(("feature gate", "passed" if verdict.passed else "FAILED", verdict.reason()))
+        gates.enforce(verdict)
+
         result = PipelineResult(run_id, dataset.name, dataset.data_version, mlflow_run_id, "succeeded")
         end_tracking(settings.mlflow.url, mlflow_run_id, succeeded=True, summary=asdict(result))
         record_finish(store, run_id, "succeeded", None)
@@ -208,4 +249,6 @@ def pipeline(
             end_tracking(settings.mlflow.url, mlflow_run_id, succeeded=False)
         raise
     finally:
+        if dataset is not None:
+            _publish_summary(settings, dataset, code, run_id, event_id, mlflow_run_id, stages)
         store.dispose()

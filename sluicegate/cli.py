@@ -12,6 +12,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from sluicegate.cli_data import check_app, dataset_app
 from sluicegate.errors import SluicegateError
 from sluicegate.settings import Settings
 
@@ -23,6 +24,8 @@ db_app = typer.Typer(no_args_is_help=True, help="The metadata store's schema.")
 storage_app = typer.Typer(no_args_is_help=True, help="The object store and its event queue.")
 app.add_typer(db_app, name="db")
 app.add_typer(storage_app, name="storage")
+app.add_typer(dataset_app, name="dataset")
+app.add_typer(check_app, name="check")
 console = Console()
 
 

@@ -18,7 +18,7 @@ from sluicegate.metadata import MetadataStore
 from sluicegate.metadata.models import Dataset, DatasetVersion, PipelineRun, S3Event
 from sluicegate.runs import FlowRun, wait_for_flow_run
 from sluicegate.settings import Settings
-from sluicegate.transfer import push_directory
+from tasks.transfer import push_directory
 
 LABELS = ("good", "bridge", "insufficient", "excess")
 

@@ -33,3 +33,7 @@ class EventError(SluicegateError):
 
 class StackError(SluicegateError):
     """A part of the embedded stack failed to start, stay up or stop."""
+
+
+class GateFailed(SluicegateError):
+    """A gate's verdict was negative; the message names each failed check and its observed value."""

@@ -144,6 +144,51 @@ class RetrainSettings(Group):
     timezone: str = Field("UTC", description="Timezone of the retrain cron.")
 
 
+class DataGateSettings(Group):
+    """Gate 1: the dataset itself (DESIGN section 5)."""
+
+    max_missing_fraction: float = Field(
+        0.05, ge=0, le=1, description="Largest fraction of manifest rows with an empty label or split."
+    )
+    max_label_kl: float = Field(
+        0.3, ge=0, description="Largest KL divergence of the label distribution from the reference."
+    )
+    min_same_size_fraction: float = Field(
+        0.99, ge=0, le=1, description="Smallest fraction of images that share the most common size."
+    )
+    labels: list[str] | None = Field(
+        None,
+        description="Allowed labels (JSON list). Unset: the champion's labels; with no champion either, "
+        "any label is allowed and the reference distribution is uniform over the labels seen.",
+    )
+    read_concurrency: int = Field(16, ge=1, description="Images read and decoded in parallel.")
+
+
+class FeatureGateSettings(Group):
+    """Gate 2: candidate preprocessing vs the champion's (DESIGN section 5)."""
+
+    sample_size: int = Field(1000, ge=1, description="Images sampled from the dataset version.")
+    percentile: float = Field(5.0, gt=0, lt=100, description="Percentile of per-image cosine similarity checked.")
+    min_cosine: float = Field(0.999, gt=0, le=1, description="Smallest allowed cosine at that percentile.")
+    seed: int = Field(0, description="Seed of the image sample.")
+
+
+class PreprocessingSettings(Group):
+    """The candidate's preprocessing (serving/preprocessing.py), recorded with every model."""
+
+    height: int = Field(64, ge=1, description="Model input height.")
+    width: int = Field(64, ge=1, description="Model input width.")
+    colour: Literal["RGB", "BGR"] = Field("RGB", description="Channel order the model expects.")
+    mean: tuple[float, float, float] = Field((0.485, 0.456, 0.406), description="Per-channel mean (RGB order).")
+    std: tuple[float, float, float] = Field((0.229, 0.224, 0.225), description="Per-channel std (RGB order).")
+
+
+class ModelSettings(Group):
+    """The model the pipeline produces."""
+
+    name: str = Field("pcb-classifier", description="Registered model name in MLflow (aliases live on it).")
+
+
 class StackSettings(Group):
     """The embedded stack's supervisor."""
 
@@ -168,6 +213,10 @@ class Settings(BaseSettings):
     metadata: MetadataSettings = Field(default_factory=MetadataSettings)
     retrain: RetrainSettings = Field(default_factory=RetrainSettings)
     stack: StackSettings = Field(default_factory=StackSettings)
+    data_gate: DataGateSettings = Field(default_factory=DataGateSettings)
+    feature_gate: FeatureGateSettings = Field(default_factory=FeatureGateSettings)
+    preprocessing: PreprocessingSettings = Field(default_factory=PreprocessingSettings)
+    model: ModelSettings = Field(default_factory=ModelSettings)
 
     @field_validator("home")
     @classmethod
@@ -190,7 +239,7 @@ class Settings(BaseSettings):
         def encode(value: Any) -> str:
             if isinstance(value, SecretStr):
                 return value.get_secret_value()
-            if isinstance(value, list | dict):
+            if isinstance(value, list | tuple | dict):
                 return json.dumps(value)
             return str(value)
 

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from sluicegate.ids import CodeVersion
 from tasks.datasets import ResolvedDataset
+from tasks.verdicts import GateVerdict
 
 if TYPE_CHECKING:
     from mlflow import MlflowClient
@@ -134,3 +135,26 @@ def end_run(tracking_uri: str, run_id: str, *, succeeded: bool, summary: dict[st
     if summary:
         tracker.log_dict(run_id, summary, "pipeline/summary.json")
     tracker.set_terminated(run_id, status="FINISHED" if succeeded else "FAILED")
+
+
+def log_gate(
+    tracking_uri: str, run_id: str, verdict: GateVerdict, report_md: str, extra: dict[str, Any] | None = None
+) -> str:
+    """Log a gate's verdict, report and raw evidence (e.g. GX's validation result) to the MLflow run.
+
+    Returns the artifact URI of the gate's folder, recorded on the gate-result row.
+    """
+    tracker = client(tracking_uri)
+    folder = f"gates/{verdict.gate}"
+    tracker.log_dict(run_id, verdict.to_dict(), f"{folder}/verdict.json")
+    tracker.log_text(run_id, report_md, f"{folder}/report.md")
+    for name, payload in (extra or {}).items():
+        tracker.log_dict(run_id, payload, f"{folder}/{name}.json")
+    tracker.log_metric(run_id, f"gate.{verdict.gate}.passed", 1.0 if verdict.passed else 0.0)
+    tracker.set_tag(run_id, f"sluicegate.gate.{verdict.gate}", "passed" if verdict.passed else "failed")
+    artifact_root: str = tracker.get_run(run_id).info.artifact_uri
+    return f"{artifact_root.rstrip('/')}/{folder}"
+
+
+def log_json(tracking_uri: str, run_id: str, payload: dict[str, Any], path: str) -> None:
+    client(tracking_uri).log_dict(run_id, payload, path)

@@ -6,6 +6,7 @@ from collections.abc import Sequence
 
 from sluicegate.ids import CodeVersion
 from tasks.datasets import ResolvedDataset
+from tasks.verdicts import GateVerdict
 
 
 def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
@@ -49,3 +50,21 @@ def pipeline_summary(
     )
     stage_table = markdown_table(["stage", "outcome", "detail"], stages)
     return f"# pipeline/{dataset.name}@{dataset.data7}\n\n{versions}\n\n## Stages\n\n{stage_table}\n"
+
+
+def verdict_markdown(verdict: GateVerdict, *, context: str = "") -> str:
+    """One row per check (observed value, threshold, pass/fail), failures first in the summary line."""
+    rows = [
+        [check.name, _value(check.observed), check.threshold, "pass" if check.passed else "**FAIL**", check.detail]
+        for check in verdict.checks
+    ]
+    status = "passed" if verdict.passed else "FAILED"
+    head = f"# {verdict.gate} gate: {status}\n\n" + (f"{context}\n\n" if context else "")
+    summary = "" if verdict.passed else f"> {verdict.reason()}\n\n"
+    return head + summary + markdown_table(["check", "observed", "threshold", "result", "detail"], rows) + "\n"
+
+
+def _value(value: object) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return "-" if value is None else str(value)

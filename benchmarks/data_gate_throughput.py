@@ -1,0 +1,128 @@
+"""Data-gate throughput: images/s over N images read from the S3 endpoint (moto, over HTTP).
+
+Renders the sample dataset, pushes it to a moto server in its own process, then times the data
+gate as the pipeline runs it: image statistics streamed from S3 in parallel (bounded in flight),
+then the Great Expectations suite. The peer is the same work done one image at a time (concurrency
+1), measured on a slice of the images.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+from rich.console import Console
+from rich.table import Table
+
+from sluicegate import storage
+from sluicegate.settings import DataGateSettings, Settings
+from tasks.data_gate import run_data_gate
+from tasks.dataset_source import S3Source
+from tasks.datasets import manifest_paths
+from tasks.image_stats import collect_stats
+from tasks.sample_data import make_sample
+from tasks.transfer import push_directory
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--images", type=int, default=10_000)
+    parser.add_argument("--sequential-slice", type=int, default=1_000)
+    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--out", type=Path, default=Path("bench-results/data_gate_throughput.json"))
+    args = parser.parse_args()
+    console = Console()
+    work = Path(tempfile.mkdtemp(prefix="sluicegate-bench-gate-"))
+    port = free_port()
+    moto = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        for _ in range(100):
+            try:
+                httpx.get(f"http://127.0.0.1:{port}/moto-api/data.json", timeout=1)
+                break
+            except httpx.HTTPError:
+                time.sleep(0.1)
+        settings = Settings(home=work, storage={"port": port})
+        storage.provision(settings)
+        with console.status(f"rendering {args.images} images..."):
+            start = time.perf_counter()
+            make_sample(work / "data", count=args.images, seed=1)
+            render_s = time.perf_counter() - start
+        with console.status("pushing to S3..."):
+            pushed = push_directory(settings, work / "data", "bench", "v1")
+        prefix = pushed.manifest_key.rsplit("/", 1)[0] + "/"
+        source = S3Source(storage.s3_client(settings), settings.storage.bucket, prefix)
+        manifest = source.manifest()
+        paths = manifest_paths(manifest)
+
+        with console.status(f"data gate, concurrency {args.concurrency}..."):
+            start = time.perf_counter()
+            stats = collect_stats(source, paths, concurrency=args.concurrency)
+            stats_s = time.perf_counter() - start
+            start = time.perf_counter()
+            verdict, _ = run_data_gate(manifest, stats, None, DataGateSettings())
+            gx_s = time.perf_counter() - start
+        subset = paths[: args.sequential_slice]
+        with console.status(f"peer: one image at a time over {len(subset)} images..."):
+            start = time.perf_counter()
+            collect_stats(source, subset, concurrency=1)
+            sequential_s = time.perf_counter() - start
+    finally:
+        moto.terminate()
+        moto.wait(10)
+
+    parallel_rate = len(paths) / stats_s
+    sequential_rate = len(subset) / sequential_s
+    total_rate = len(paths) / (stats_s + gx_s)
+    table = Table(title=f"data gate over {len(paths)} images from the S3 endpoint (this machine)")
+    for column in ("what", "seconds", "images/s", "ratio vs peer"):
+        table.add_column(column, justify="left" if column == "what" else "right")
+    table.add_row(
+        "peer: stats one image at a time", f"{sequential_s:.1f} ({len(subset)} img)", f"{sequential_rate:.0f}", "1.00"
+    )
+    table.add_row(
+        f"stats, {args.concurrency} in flight",
+        f"{stats_s:.1f}",
+        f"{parallel_rate:.0f}",
+        f"{parallel_rate / sequential_rate:.2f}",
+    )
+    table.add_row("GX suite (all expectations)", f"{gx_s:.1f}", "-", "-")
+    table.add_row("whole gate", f"{stats_s + gx_s:.1f}", f"{total_rate:.0f}", f"{total_rate / sequential_rate:.2f}")
+    console.print(table)
+    console.print(f"verdict: {verdict.reason()}  (rendering took {render_s:.0f} s, not counted)")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(
+        json.dumps(
+            {
+                "images": len(paths),
+                "stats_seconds": stats_s,
+                "gx_seconds": gx_s,
+                "sequential_images": len(subset),
+                "sequential_seconds": sequential_s,
+                "images_per_second": total_rate,
+                "passed": verdict.passed,
+            },
+            indent=2,
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()

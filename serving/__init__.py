@@ -1,0 +1,1 @@
+"""The model server: standalone; imports nothing from sluicegate/, tasks/ or flows/."""
