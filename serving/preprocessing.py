@@ -5,15 +5,16 @@ from here, so the tensors a model was trained on and the tensors it is served ar
 code. Only numpy and the standard library are imported.
 
 The resize reproduces ``torch.nn.functional.interpolate(x, size, mode="bilinear", align_corners=False)``
-(no antialiasing), the resize models are trained with, so exporting a model never changes its inputs.
+(no antialiasing), the reference DESIGN section 6 names; tests/serving checks it to 1e-5.
 """
 
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
-from typing import Any, Literal, get_args
+from typing import Any, Literal, NamedTuple, get_args
 
 import numpy as np
 import numpy.typing as npt
@@ -105,7 +106,7 @@ def _three_floats(name: str, value: Any, *, positive: bool) -> tuple[float, floa
         raise ValueError(f"PreprocessSpec.{name} must be three numbers (R, G, B), got {value!r}")
     out: list[float] = []
     for item in value:
-        if isinstance(item, bool) or not isinstance(item, (int, float)) or not math.isfinite(item):
+        if isinstance(item, bool) or not isinstance(item, numbers.Real) or not math.isfinite(item):
             raise ValueError(f"PreprocessSpec.{name} must be three finite numbers (R, G, B), got {value!r}")
         if positive and item <= 0:
             raise ValueError(f"PreprocessSpec.{name} must be three numbers > 0 (R, G, B), got {value!r}")
@@ -113,68 +114,129 @@ def _three_floats(name: str, value: Any, *, positive: bool) -> tuple[float, floa
     return out[0], out[1], out[2]
 
 
-def _axis_weights(
-    in_size: int, out_size: int
-) -> tuple[npt.NDArray[np.intp], npt.NDArray[np.intp], Float32Array, Float32Array]:
-    """Source indices and weights of one axis, as torch's CPU bilinear kernel computes them.
+# Values per work buffer when resizing a batch in chunks: about 1 MiB of float32, so the intermediate
+# rows stay in cache instead of round-tripping batch-sized temporaries through memory (3-4x faster
+# on 480x640 inputs).
+_CHUNK_VALUES = 1 << 18
+
+# Writes ``src`` as float32 into ``out``: a plain cast, or preprocess's scaling to [0, 1].
+Convert = Callable[[npt.NDArray[Any], Float32Array], None]
+
+
+class _AxisPlan(NamedTuple):
+    """Where each output position along one axis reads from, with torch's weights."""
+
+    axis: int
+    near: npt.NDArray[np.intp]
+    far: npt.NDArray[np.intp]
+    near_weight: Float32Array  # shaped to broadcast along ``axis`` of an (N, H, W, C) array
+    far_weight: Float32Array
+
+
+def _plan_axis(axis: int, in_size: int, out_size: int) -> _AxisPlan | None:
+    """The plan for one axis, or None when its size does not change (torch's weights are (1, 0): a copy).
 
     torch computes ``scale * (i + 0.5) - 0.5`` in float32 for float tensors, and its CPU build fuses the
     multiply-add (one rounding). A float32 coordinate near 500 has an ulp of 3e-5, so rounding twice
     instead would move the weights, and the output, by up to that much. Here the float32 ``scale`` is
     applied in float64, where the product is exact, and rounded to float32 once: the fused result.
     """
+    if in_size == out_size:
+        return None
     scale = np.float64(np.float32(in_size) / np.float32(out_size))
     centres = np.arange(out_size, dtype=np.float64) + 0.5
     src = (scale * centres - 0.5).astype(np.float32)
     src = np.maximum(src, np.float32(0.0))  # align_corners=False clamps negative positions to the edge
-    i0 = np.minimum(src.astype(np.intp), in_size - 1)  # src >= 0, so truncation is floor
-    i1 = np.minimum(i0 + 1, in_size - 1)
-    w1 = (src - i0.astype(np.float32)).astype(np.float32)
-    w0 = (np.float32(1.0) - w1).astype(np.float32)
-    return i0, i1, w0, w1
-
-
-def _resize_axis(
-    x: npt.NDArray[Any], axis: int, out_size: int, to_float: Callable[[npt.NDArray[Any]], Float32Array]
-) -> Float32Array:
-    in_size = x.shape[axis]
-    if in_size == out_size:
-        return to_float(x)  # torch's weights are exactly (1, 0) here: a copy, so skip the blend
-    i0, i1, w0, w1 = _axis_weights(in_size, out_size)
-    shape = [1] * x.ndim
+    near = np.minimum(src.astype(np.intp), in_size - 1)  # src >= 0, so truncation is floor
+    far = np.minimum(near + 1, in_size - 1)
+    far_weight = (src - near.astype(np.float32)).astype(np.float32)
+    near_weight = (np.float32(1.0) - far_weight).astype(np.float32)
+    shape = [1, 1, 1, 1]
     shape[axis] = out_size
-    out = to_float(np.take(x, i0, axis=axis))
-    out *= w0.reshape(shape)
-    far = to_float(np.take(x, i1, axis=axis))
-    far *= w1.reshape(shape)
-    out += far
-    return out
+    return _AxisPlan(axis, near, far, near_weight.reshape(shape), far_weight.reshape(shape))
 
 
-def _as_float32(x: npt.NDArray[Any]) -> Float32Array:
-    return np.asarray(x, dtype=np.float32)
+def _gather(
+    x: npt.NDArray[Any],
+    index: npt.NDArray[np.intp],
+    axis: int,
+    out: Float32Array,
+    raw: npt.NDArray[Any] | None,
+    convert: Convert | None,
+) -> None:
+    # mode="clip" lets take write straight into ``out`` (the default mode buffers); indices are in range.
+    if raw is None or convert is None:  # x is float32 already: gather straight into out
+        np.take(x, index, axis=axis, out=out, mode="clip")
+    else:
+        np.take(x, index, axis=axis, out=raw, mode="clip")
+        convert(raw, out)
 
 
-def _resize(
-    batch: npt.NDArray[Any], height: int, width: int, to_float: Callable[[npt.NDArray[Any]], Float32Array]
-) -> Float32Array:
-    """``(N, H, W, C)`` -> float32 ``(N, height, width, C)``.
+def _blend(
+    x: npt.NDArray[Any],
+    plan: _AxisPlan,
+    out: Float32Array,
+    scratch: Float32Array,
+    raw: npt.NDArray[Any] | None,
+    convert: Convert | None,
+) -> None:
+    """``out = x[near] * near_weight + x[far] * far_weight`` along the plan's axis, torch's formula."""
+    _gather(x, plan.near, plan.axis, out, raw, convert)
+    out *= plan.near_weight
+    _gather(x, plan.far, plan.axis, scratch, raw, convert)
+    scratch *= plan.far_weight
+    out += scratch
 
-    ``to_float`` turns raw values into float32 ones. It runs on what the first axis gathers, not on the
+
+def _resize(batch: npt.NDArray[Any], height: int, width: int, convert: Convert) -> Float32Array:
+    """``(N, H, W, C)`` -> float32 ``(N, height, width, C)``, separably, a few images at a time.
+
+    ``convert`` turns raw values into float32 ones. It runs on what the first axis gathers, not on the
     whole input: converting a 480x640 image that is shrunk to 64 rows would otherwise cost more than
     the resize. Gathering is exact, so the values are the same as converting first.
     """
-    in_h, in_w = batch.shape[1], batch.shape[2]
-    # Resizing rows first costs height * in_w per channel, columns first in_h * width: take the cheaper.
-    if height * in_w <= in_h * width:
-        return _resize_axis(_resize_axis(batch, 1, height, to_float), 2, width, _as_float32)
-    return _resize_axis(_resize_axis(batch, 2, width, to_float), 1, height, _as_float32)
+    n, in_h, in_w, channels = batch.shape
+    out = np.empty((n, height, width, channels), dtype=np.float32)
+    rows, cols = _plan_axis(1, in_h, height), _plan_axis(2, in_w, width)
+    if rows is None and cols is None:
+        convert(batch, out)
+        return out
+    # Rows first gathers whole contiguous rows; columns first is only worth it when it is much less work.
+    first, second = (rows, cols) if height * in_w <= 2 * in_h * width else (cols, rows)
+    mid_shape = (height, in_w) if first is rows else (in_h, width)
+    chunk = max(1, _CHUNK_VALUES // (mid_shape[0] * mid_shape[1] * channels))
+    mid = np.empty((min(chunk, n), *mid_shape, channels), dtype=np.float32)
+    scratch = np.empty_like(mid)
+    raw = np.empty(mid.shape, dtype=batch.dtype)
+    scratch_out = np.empty((len(mid), height, width, channels), dtype=np.float32)
+    for start in range(0, n, chunk):
+        x, target = batch[start : start + chunk], out[start : start + chunk]
+        k = len(x)
+        if first is None:
+            convert(x, mid[:k])
+        else:
+            _blend(x, first, mid[:k], scratch[:k], raw[:k], convert)
+        if second is None:
+            target[...] = mid[:k]
+        else:
+            _blend(mid[:k], second, target, scratch_out[:k], None, None)
+    return out
+
+
+def _cast(src: npt.NDArray[Any], out: Float32Array) -> None:
+    np.copyto(out, src, casting="unsafe")
+
+
+def _scale_to_unit(src: npt.NDArray[Any], out: Float32Array) -> None:
+    # x / 255 in float32, as torch's ``x.float() / 255`` (a true division, not a multiply by 1/255).
+    np.divide(src, np.float32(255.0), out=out)
 
 
 def resize_bilinear(images: npt.NDArray[Any], height: int, width: int) -> Float32Array:
     """Bilinear resize matching torch's ``interpolate(mode="bilinear", align_corners=False)``.
 
-    Separable: one gather-and-blend per axis, the axis that shrinks the work most first.
+    Separable: one vectorised gather-and-blend per axis (rows first unless columns first is much less
+    work), over a few images at a time so the intermediates stay in cache.
 
     Args:
         images: ``(N, H, W, C)`` or ``(H, W, C)``, any real dtype (values are not rescaled or rounded).
@@ -194,15 +256,8 @@ def resize_bilinear(images: npt.NDArray[Any], height: int, width: int) -> Float3
     batch = images if images.ndim == 4 else images[np.newaxis]
     if batch.shape[1] < 1 or batch.shape[2] < 1:
         raise ValueError(f"resize_bilinear input has an empty spatial axis: shape {images.shape}")
-    out = _resize(batch, height, width, _as_float32)
-    if np.may_share_memory(out, images):
-        out = out.copy()  # float32 in, same size out: never hand back (a view of) the caller's array
+    out = _resize(batch, height, width, _cast)
     return out if images.ndim == 4 else out[0]
-
-
-def _scale_to_unit(x: npt.NDArray[Any]) -> Float32Array:
-    # x / 255 in float32, as torch's ``x.float() / 255`` (a true division, not a multiply by 1/255).
-    return np.divide(x, np.float32(255.0), dtype=np.float32)
 
 
 def preprocess(images: npt.NDArray[np.uint8] | Sequence[npt.NDArray[np.uint8]], spec: PreprocessSpec) -> Float32Array:
@@ -242,7 +297,7 @@ def _batches(
 ) -> list[tuple[slice | list[int], npt.NDArray[np.uint8]]]:
     """Validated ``(N, H, W, 3)`` batches with the output positions they fill.
 
-    A sequence is grouped by image size, so same-sized images are resized together (vectorised).
+    A sequence's images may differ in size, so they are grouped: each large image alone, small ones by size.
     """
     if isinstance(images, np.ndarray):
         if images.ndim != 4 or images.shape[-1] != 3:
@@ -251,14 +306,26 @@ def _batches(
         return [(slice(0, images.shape[0]), images)]
     if len(images) == 0:
         raise ValueError(f"preprocess got an empty batch (no images); expected a {_EXPECTED}")
-    by_shape: dict[tuple[int, ...], list[int]] = {}
-    for index, image in enumerate(images):
-        array = np.asarray(image)
-        if array.ndim != 3 or array.shape[-1] != 3:
-            raise ValueError(f"preprocess: image {index} has shape {array.shape}; expected (H, W, 3) uint8 RGB")
-        _check_image(array, f"image {index}")
-        by_shape.setdefault(array.shape, []).append(index)
-    return [(positions, np.stack([np.asarray(images[i]) for i in positions])) for positions in by_shape.values()]
+    arrays = [_checked_image(index, image) for index, image in enumerate(images)]
+    groups: list[tuple[slice | list[int], npt.NDArray[np.uint8]]] = []
+    small: dict[tuple[int, ...], list[int]] = {}
+    for index, array in enumerate(arrays):
+        if array.size > _CHUNK_VALUES:
+            # Resized alone anyway (one image fills a work chunk): a view, since stacking would copy it.
+            groups.append((slice(index, index + 1), array[np.newaxis]))
+        else:
+            small.setdefault(array.shape, []).append(index)
+    # Small images of one size are stacked so they are resized together rather than one call each.
+    groups.extend((positions, np.stack([arrays[i] for i in positions])) for positions in small.values())
+    return groups
+
+
+def _checked_image(index: int, image: npt.NDArray[np.uint8]) -> npt.NDArray[np.uint8]:
+    array = np.asarray(image)
+    if array.ndim != 3 or array.shape[-1] != 3:
+        raise ValueError(f"preprocess: image {index} has shape {array.shape}; expected (H, W, 3) uint8 RGB")
+    _check_image(array, f"image {index}")
+    return array
 
 
 def _check_image(array: npt.NDArray[Any], what: str) -> None:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 from sqlalchemy import select
 
@@ -58,3 +61,96 @@ def test_a_broken_dataset_fails_the_run_with_the_reason(pg_platform: Settings) -
         assert run.status == "failed" and "images/missing.png" in (run.reason or "")
         assert run.dataset_version_id is None
     store.dispose()
+
+
+def _gate_rows(settings: Settings, run_id: int) -> dict[str, bool]:
+    from sluicegate.metadata import repository as repo
+
+    store = MetadataStore(settings.metadata_url)
+    with store.session() as session:
+        rows = {row.gate: row.passed for row in repo.gate_results_for_run(session, run_id)}
+    store.dispose()
+    return rows
+
+
+def _prefect_artifact_keys(api: str, flow_run_id: str) -> set[str]:
+    import httpx
+
+    found = httpx.post(f"{api}/artifacts/filter", json={"artifacts": {"flow_run_id": {"any_": [flow_run_id]}}})
+    return {a["key"] for a in found.json()}
+
+
+def test_a_sample_dataset_passes_both_gates_with_reports(platform: Settings, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from tasks.sample_data import make_sample
+    from tasks.transfer import push_directory
+
+    make_sample(tmp_path / "data", count=120, seed=5)
+    pushed = push_directory(platform, tmp_path / "data", "pcb", "good")
+    result = pipeline(bucket=platform.storage.bucket, key=pushed.manifest_key, trigger="manual")
+    assert _gate_rows(platform, result["pipeline_run_id"]) == {"data": True, "feature": True}
+    client = lineage.client(platform.mlflow.url)
+    names = {a.path for a in client.list_artifacts(result["mlflow_run_id"], "gates/data")}
+    assert {"gates/data/gx_validation.json", "gates/data/report.md", "gates/data/verdict.json"} <= names
+    top = {a.path for a in client.list_artifacts(result["mlflow_run_id"])}
+    assert "preprocessing.json" in top
+    baseline = client.download_artifacts(result["mlflow_run_id"], "dataset/channel_baseline.json", str(tmp_path))
+    assert len(json.loads(Path(baseline).read_text())["r"]) == 120
+    store = MetadataStore(platform.metadata_url)
+    with store.session() as session:
+        flow_run_id = session.get(PipelineRun, result["pipeline_run_id"]).prefect_flow_run_id  # type: ignore[union-attr]
+    store.dispose()
+    assert {"data-gate-pcb", "feature-gate-pcb", "pipeline-pcb"} <= _prefect_artifact_keys(
+        platform.prefect.url, flow_run_id
+    )
+
+
+def test_a_corrupt_dataset_stops_at_the_data_gate(platform: Settings, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from sluicegate.errors import GateFailed
+    from tasks.sample_data import Corruption, make_sample
+    from tasks.transfer import push_directory
+
+    make_sample(tmp_path / "data", count=120, seed=5, corrupt=Corruption.UNDECODABLE)
+    pushed = push_directory(platform, tmp_path / "data", "pcb", "broken")
+    with pytest.raises(GateFailed, match=r"data gate failed: images decode observed"):
+        pipeline(bucket=platform.storage.bucket, key=pushed.manifest_key, trigger="manual")
+    store = MetadataStore(platform.metadata_url)
+    with store.session() as session:
+        run = session.scalars(select(PipelineRun)).one()
+        assert run.status == "failed" and "images decode" in (run.reason or "")
+        mlflow_run_id = run.mlflow_run_id
+    store.dispose()
+    assert _gate_rows(platform, run.id) == {"data": False}  # nothing downstream ran
+    tracked = lineage.client(platform.mlflow.url).get_run(mlflow_run_id)  # type: ignore[arg-type]
+    assert tracked.info.status == "FAILED" and tracked.data.tags["sluicegate.gate.data"] == "failed"
+
+
+def test_a_champion_with_other_preprocessing_fails_the_feature_gate(platform: Settings, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from sluicegate.errors import GateFailed
+    from tasks import champion
+    from tasks.sample_data import make_sample
+    from tasks.transfer import push_directory
+
+    make_sample(tmp_path / "data", count=60, seed=6)
+    pushed = push_directory(platform, tmp_path / "data", "pcb", "v2")
+    client = lineage.client(platform.mlflow.url)
+    run = client.create_run(lineage.experiment_id(client, platform.mlflow.experiment))
+    bgr = {
+        "height": 64,
+        "width": 64,
+        "colour": "BGR",
+        "mean": [0.485, 0.456, 0.406],
+        "std": [0.229, 0.224, 0.225],
+        "interpolation": "bilinear",
+        "version": "1",
+    }
+    client.log_dict(run.info.run_id, bgr, champion.PREPROCESSING_ARTIFACT)
+    client.create_registered_model(platform.model.name)
+    version = client.create_model_version(
+        platform.model.name, source=f"{run.info.artifact_uri}/model", run_id=run.info.run_id
+    )
+    client.set_registered_model_alias(platform.model.name, champion.CHAMPION, version.version)
+    try:
+        with pytest.raises(GateFailed, match=r"feature gate failed: cosine p5 observed"):
+            pipeline(bucket=platform.storage.bucket, key=pushed.manifest_key, trigger="manual")
+    finally:
+        client.delete_registered_model(platform.model.name)

@@ -20,6 +20,7 @@ from sqlalchemy import select
 from sluicegate import stack, storage
 from sluicegate.errors import StackError
 from sluicegate.metadata import MetadataStore
+from sluicegate.metadata import repository as repo
 from sluicegate.metadata.models import DeadLetter, PipelineRun, S3Event
 from sluicegate.settings import Settings
 from tasks import lineage
@@ -160,6 +161,29 @@ def test_a_malformed_message_does_not_stop_the_next_good_one(running_stack: Sett
         letters = session.scalars(select(DeadLetter)).all()
         assert any('"oops"' in letter.body and "Records" in letter.error for letter in letters)
     store.dispose()
+
+
+def test_a_triggered_run_on_a_corrupt_dataset_stops_at_the_data_gate(running_stack: Settings, tmp_path: Path) -> None:
+    from tasks.sample_data import Corruption, make_sample
+    from tasks.transfer import push_directory
+
+    make_sample(tmp_path / "data", count=60, seed=9, corrupt=Corruption.SKEWED_LABELS)
+    pushed = push_directory(running_stack, tmp_path / "data", "pcb", "skewed")
+    run = wait_for_run(running_stack, pushed.manifest_key)
+    assert run["state_type"] == "FAILED"
+    assert "label distribution" in run["state"]["message"]
+    store = MetadataStore(running_stack.metadata_url)
+    with store.session() as session:
+        row = session.scalars(select(PipelineRun).where(PipelineRun.prefect_flow_run_id == run["id"])).one()
+        gates = {g.gate: (g.passed, g.report_uri) for g in repo.gate_results_for_run(session, row.id)}
+        assert row.status == "failed" and "label distribution" in (row.reason or "")
+    store.dispose()
+    assert list(gates) == ["data"] and gates["data"][0] is False and gates["data"][1]
+    artifacts = httpx.post(
+        f"{running_stack.prefect.url}/artifacts/filter", json={"artifacts": {"flow_run_id": {"any_": [run["id"]]}}}
+    ).json()
+    report = next(a for a in artifacts if a["key"] == "data-gate-pcb")
+    assert "label distribution" in report["data"] and "FAIL" in report["data"]
 
 
 def test_a_crashed_part_is_restarted(running_stack: Settings) -> None:
