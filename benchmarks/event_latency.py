@@ -31,7 +31,7 @@ from sluicegate.metadata import MetadataStore
 from sluicegate.metadata.models import S3Event
 from sluicegate.runs import wait_for_flow_run
 from sluicegate.settings import Settings
-from tasks.transfer import MANIFEST
+from tasks.datasets import MANIFEST
 
 TARGET_P50_START = 2.0
 

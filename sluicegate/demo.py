@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import csv
 import time
-from pathlib import Path
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
@@ -15,35 +13,16 @@ from sqlalchemy import select
 from sluicegate import stack
 from sluicegate.errors import SluicegateError
 from sluicegate.metadata import MetadataStore
+from sluicegate.metadata import repository as repo
 from sluicegate.metadata.models import Dataset, DatasetVersion, PipelineRun, S3Event
 from sluicegate.runs import FlowRun, wait_for_flow_run
 from sluicegate.settings import Settings
 from tasks.transfer import push_directory
 
-LABELS = ("good", "bridge", "insufficient", "excess")
 
-
-def write_small_dataset(directory: Path, count: int = 24, seed: int = 7) -> Path:
-    """A few coloured PNGs and their manifest (the full sample generator is `dataset make-sample`)."""
-    import numpy as np
-    from PIL import Image
-
-    rng = np.random.default_rng(seed)
-    (directory / "images").mkdir(parents=True, exist_ok=True)
-    rows = []
-    for index in range(count):
-        path = f"images/{index:04d}.png"
-        pixels = rng.integers(0, 255, (32, 32, 3), dtype=np.uint8)
-        Image.fromarray(pixels).save(directory / path)
-        rows.append((path, LABELS[index % len(LABELS)], ("train", "train", "val", "test")[index % 4]))
-    with (directory / "manifest.csv").open("w", newline="") as handle:
-        writer = csv.writer(handle, lineterminator="\n")
-        writer.writerow(("path", "label", "split"))
-        writer.writerows(rows)
-    return directory
-
-
-def run(settings: Settings, console: Console, *, keep_running: bool, timeout: float = 300) -> bool:
+def run(
+    settings: Settings, console: Console, *, keep_running: bool, timeout: float = 300, sample_count: int = 400
+) -> bool:
     """Returns True when the triggered pipeline run completed."""
     console.rule("[bold]1. the embedded stack")
     with console.status("starting S3+SQS, Prefect, MLflow, the event bridge and the runner..."):
@@ -55,8 +34,12 @@ def run(settings: Settings, console: Console, *, keep_running: bool, timeout: fl
     ok = False
     try:
         console.rule("[bold]2. a dataset version lands in S3")
+        from tasks.sample_data import make_sample
+
         label = time.strftime("%Y-%m-%dT%H%M%S")
-        directory = write_small_dataset(settings.home / "demo" / label)
+        directory = settings.home / "demo" / label
+        with console.status(f"rendering {sample_count} PCB solder-joint images..."):
+            make_sample(directory, count=sample_count, seed=int(time.time()) % 10_000)
         files = sum(1 for path in directory.rglob("*") if path.is_file())
         with Progress(TextColumn("uploading"), BarColumn(), MofNCompleteColumn(), console=console) as bar:
             task = bar.add_task("upload", total=files)
@@ -116,6 +99,9 @@ def lineage_tree(settings: Settings, flow_run: FlowRun) -> Tree | Table:
                     f"{version.num_objects} objects pinned to S3 versions "
                     f"(manifest version {version.manifest_version_id})"
                 )
+            for gate in repo.gate_results_for_run(session, run.id):
+                verdict = "passed" if gate.passed else "[red]FAILED[/red]"
+                tree.add(f"{gate.gate} gate {verdict}: report {gate.report_uri}")
             tree.add(f"code {run.code_version}{' (dirty)' if run.code_dirty else ''}")
             tree.add(f"MLflow run {run.mlflow_run_id}")
             return tree

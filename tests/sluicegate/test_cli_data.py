@@ -1,0 +1,70 @@
+"""`sluicegate dataset ...` and `sluicegate check ...` against real files and the S3 endpoint."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from typer.testing import CliRunner
+
+from sluicegate.cli import app
+from sluicegate.settings import Settings
+from tests.fixtures.platform import settings_env
+
+runner = CliRunner()
+
+
+def run(args: list[str], settings: Settings | None = None, **env: str):  # type: ignore[no-untyped-def]
+    full = {**(settings_env(settings) if settings else {}), **env}
+    return runner.invoke(app, args, env=full)
+
+
+def test_make_sample_then_check_data_locally(tmp_path: Path) -> None:
+    made = run(["dataset", "make-sample", str(tmp_path / "ok"), "--count", "80", "--seed", "2"])
+    assert made.exit_code == 0, made.output
+    labels = '["good", "bridge", "insufficient", "excess"]'
+    ok = run(["check", "data", str(tmp_path / "ok"), "--report", str(tmp_path / "r.json")],
+             SLUICEGATE_DATA_GATE__LABELS=labels)
+    assert ok.exit_code == 0, ok.output
+    assert "data gate: passed" in ok.output
+    assert json.loads((tmp_path / "r.json").read_text())["verdict"]["passed"] is True
+
+    run(["dataset", "make-sample", str(tmp_path / "bad"), "--count", "80", "--corrupt", "unknown-labels"])
+    bad = run(["check", "data", str(tmp_path / "bad")], SLUICEGATE_DATA_GATE__LABELS=labels)
+    assert bad.exit_code == 1 and "known labels" in bad.output
+
+
+def test_make_sample_rejects_an_unknown_corruption(tmp_path: Path) -> None:
+    result = run(["dataset", "make-sample", str(tmp_path / "x"), "--corrupt", "smudged"])
+    assert result.exit_code == 2 and "missing-labels" in result.output
+
+
+def test_check_features_against_a_spec_file(tmp_path: Path) -> None:
+    run(["dataset", "make-sample", str(tmp_path / "d"), "--count", "40"])
+    first = run(["check", "features", str(tmp_path / "d")])
+    assert first.exit_code == 0 and "first model" in first.output
+    spec = {"height": 64, "width": 64, "colour": "BGR", "mean": [0.485, 0.456, 0.406],
+            "std": [0.229, 0.224, 0.225], "interpolation": "bilinear", "version": "1"}
+    (tmp_path / "bgr.json").write_text(json.dumps(spec))
+    changed = run(["check", "features", str(tmp_path / "d"), "--against", str(tmp_path / "bgr.json")])
+    assert changed.exit_code == 1 and "cosine p5" in changed.output
+    same = run(["check", "features", str(tmp_path / "d"), "--against", str(tmp_path / "bgr.json")],
+               SLUICEGATE_PREPROCESSING__COLOUR="BGR")
+    assert same.exit_code == 0, same.output
+
+
+def test_push_ls_pull_and_check_from_s3(platform: Settings, tmp_path: Path) -> None:
+    run(["dataset", "make-sample", str(tmp_path / "d"), "--count", "40"])
+    pushed = run(["dataset", "push", str(tmp_path / "d"), "--name", "pcb", "--version", "v1"], platform)
+    assert pushed.exit_code == 0, pushed.output
+    assert "data version" in pushed.output
+    listed = run(["dataset", "ls"], platform)
+    assert listed.exit_code == 0 and "pcb" in listed.output and "v1" in listed.output
+    pulled = run(["dataset", "pull", "pcb", "v1", str(tmp_path / "copy")], platform)
+    assert pulled.exit_code == 0, pulled.output
+    assert (tmp_path / "copy" / "manifest.csv").read_bytes() == (tmp_path / "d" / "manifest.csv").read_bytes()
+    assert len(list((tmp_path / "copy" / "images").iterdir())) == 40
+    remote = run(["check", "data", f"s3://{platform.storage.bucket}/datasets/pcb/v1/"], platform)
+    assert remote.exit_code == 0, remote.output
+    missing = run(["dataset", "pull", "pcb", "nope", str(tmp_path / "none")], platform)
+    assert missing.exit_code == 1 and "does not exist" in missing.output
