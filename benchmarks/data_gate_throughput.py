@@ -3,7 +3,7 @@
 Renders the sample dataset, pushes it to a moto server in its own process, then times the data
 gate as the pipeline runs it: image statistics streamed from S3 in parallel (bounded in flight),
 then the Great Expectations suite. The peer is the same work done one image at a time (concurrency
-1), measured on a slice of the images.
+1), measured on a slice of the images; the ceiling is the endpoint's own GET rate (no decoding).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from rich.table import Table
 from sluicegate import storage
 from sluicegate.settings import DataGateSettings, Settings
 from tasks.data_gate import run_data_gate
-from tasks.dataset_source import S3Source
+from tasks.dataset_source import S3Source, map_objects
 from tasks.datasets import manifest_paths
 from tasks.image_stats import collect_stats
 from tasks.sample_data import make_sample
@@ -80,6 +80,11 @@ def main() -> None:
             verdict, _ = run_data_gate(manifest, stats, None, DataGateSettings())
             gx_s = time.perf_counter() - start
         subset = paths[: args.sequential_slice]
+        with console.status(f"ceiling: raw GETs only, {args.concurrency} in flight..."):
+            start = time.perf_counter()
+            for _ in map_objects(source, subset, lambda _path, data: len(data), args.concurrency):
+                pass
+            raw_get_s = time.perf_counter() - start
         with console.status(f"peer: one image at a time over {len(subset)} images..."):
             start = time.perf_counter()
             collect_stats(source, subset, concurrency=1)
@@ -103,6 +108,12 @@ def main() -> None:
         f"{parallel_rate:.0f}",
         f"{parallel_rate / sequential_rate:.2f}",
     )
+    table.add_row(
+        f"ceiling: endpoint GETs only, {args.concurrency} in flight",
+        f"{raw_get_s:.1f} ({len(subset)} img)",
+        f"{len(subset) / raw_get_s:.0f}",
+        f"{len(subset) / raw_get_s / sequential_rate:.2f}",
+    )
     table.add_row("GX suite (all expectations)", f"{gx_s:.1f}", "-", "-")
     table.add_row("whole gate", f"{stats_s + gx_s:.1f}", f"{total_rate:.0f}", f"{total_rate / sequential_rate:.2f}")
     console.print(table)
@@ -116,6 +127,7 @@ def main() -> None:
                 "gx_seconds": gx_s,
                 "sequential_images": len(subset),
                 "sequential_seconds": sequential_s,
+                "raw_get_seconds": raw_get_s,
                 "images_per_second": total_rate,
                 "passed": verdict.passed,
             },
