@@ -183,10 +183,55 @@ class PreprocessingSettings(Group):
     std: tuple[float, float, float] = Field((0.229, 0.224, 0.225), description="Per-channel std (RGB order).")
 
 
+class TrainingSettings(Group):
+    """Gate 3's training run (a small residual CNN by default)."""
+
+    arch: Literal["resnet-small"] = Field("resnet-small", description="Model architecture.")
+    width: int = Field(32, ge=4, description="Channels of the first stage (doubled at each later stage).")
+    blocks: tuple[int, ...] = Field((1, 1, 1), description="Residual blocks per stage (JSON list).")
+    epochs: int = Field(30, ge=1, description="Most epochs to train.")
+    patience: int = Field(5, ge=1, description="Epochs without validation-loss improvement before stopping.")
+    batch_size: int = Field(64, ge=1, description="Training batch size.")
+    learning_rate: float = Field(2e-3, gt=0, description="AdamW learning rate.")
+    weight_decay: float = Field(1e-4, ge=0, description="AdamW weight decay.")
+    seed: int = Field(0, description="Seed of initialisation and data order (deterministic on CPU).")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Where to train; auto: CUDA if present.")
+    amp: bool = Field(True, description="Mixed precision (bf16 autocast) when training on CUDA.")
+
+
+class TrainGateSettings(Group):
+    """Gate 3's stability checks (DESIGN section 5)."""
+
+    max_roughness: float = Field(
+        0.1, gt=0, description="Largest mean |2nd difference| of the min-max normalised training-loss curve."
+    )
+    final_loss_tolerance: float = Field(
+        0.05, ge=0, description="Final loss within this fraction of the mean of earlier runs' final losses."
+    )
+    memory_tolerance: float = Field(
+        0.10, ge=0, description="Peak memory within this fraction of the mean of earlier runs' peaks."
+    )
+    history_runs: int = Field(10, ge=1, description="How many earlier runs of the model form the history.")
+
+
+class ConversionSettings(Group):
+    """Gate 4: ONNX export and parity, TensorRT engine where available."""
+
+    opset: int = Field(18, ge=17, description="ONNX opset of the export.")
+    parity_atol: float = Field(1e-4, gt=0, description="Largest |ONNX Runtime - PyTorch| on the validation batch.")
+    parity_batch: int = Field(32, ge=1, description="Validation images in the parity batch.")
+    tensorrt: Literal["auto", "off"] = Field("auto", description="Build a TensorRT engine when a GPU and TensorRT exist.")
+    fp16: bool = Field(False, description="Build the TensorRT engine in FP16 (parity bound `fp16_atol`).")
+    fp16_atol: float = Field(2e-2, gt=0, description="Parity bound for an FP16 engine (looser, stated).")
+    profile: tuple[int, int, int] = Field((1, 8, 64), description="TensorRT batch profile: min, opt, max.")
+    engine_cache: Path | None = Field(None, description="Folder of cached engines; unset: <home>/engines.")
+
+
 class ModelSettings(Group):
     """The model the pipeline produces."""
 
     name: str = Field("pcb-classifier", description="Registered model name in MLflow (aliases live on it).")
+    semver: str = Field("1.0.0", description="MAJOR.MINOR.PATCH of produced model versions (vX.Y.Z-<commit7>-<data7>).")
 
 
 class StackSettings(Group):
@@ -217,6 +262,9 @@ class Settings(BaseSettings):
     feature_gate: FeatureGateSettings = Field(default_factory=FeatureGateSettings)
     preprocessing: PreprocessingSettings = Field(default_factory=PreprocessingSettings)
     model: ModelSettings = Field(default_factory=ModelSettings)
+    training: TrainingSettings = Field(default_factory=TrainingSettings)
+    train_gate: TrainGateSettings = Field(default_factory=TrainGateSettings)
+    conversion: ConversionSettings = Field(default_factory=ConversionSettings)
 
     @field_validator("home")
     @classmethod
