@@ -23,8 +23,10 @@ def test_make_sample_then_check_data_locally(tmp_path: Path) -> None:
     made = run(["dataset", "make-sample", str(tmp_path / "ok"), "--count", "80", "--seed", "2"])
     assert made.exit_code == 0, made.output
     labels = '["good", "bridge", "insufficient", "excess"]'
-    ok = run(["check", "data", str(tmp_path / "ok"), "--report", str(tmp_path / "r.json")],
-             SLUICEGATE_DATA_GATE__LABELS=labels)
+    ok = run(
+        ["check", "data", str(tmp_path / "ok"), "--report", str(tmp_path / "r.json")],
+        SLUICEGATE_DATA_GATE__LABELS=labels,
+    )
     assert ok.exit_code == 0, ok.output
     assert "data gate: passed" in ok.output
     assert json.loads((tmp_path / "r.json").read_text())["verdict"]["passed"] is True
@@ -43,13 +45,22 @@ def test_check_features_against_a_spec_file(tmp_path: Path) -> None:
     run(["dataset", "make-sample", str(tmp_path / "d"), "--count", "40"])
     first = run(["check", "features", str(tmp_path / "d")])
     assert first.exit_code == 0 and "first model" in first.output
-    spec = {"height": 64, "width": 64, "colour": "BGR", "mean": [0.485, 0.456, 0.406],
-            "std": [0.229, 0.224, 0.225], "interpolation": "bilinear", "version": "1"}
+    spec = {
+        "height": 64,
+        "width": 64,
+        "colour": "BGR",
+        "mean": [0.485, 0.456, 0.406],
+        "std": [0.229, 0.224, 0.225],
+        "interpolation": "bilinear",
+        "version": "1",
+    }
     (tmp_path / "bgr.json").write_text(json.dumps(spec))
     changed = run(["check", "features", str(tmp_path / "d"), "--against", str(tmp_path / "bgr.json")])
     assert changed.exit_code == 1 and "cosine p5" in changed.output
-    same = run(["check", "features", str(tmp_path / "d"), "--against", str(tmp_path / "bgr.json")],
-               SLUICEGATE_PREPROCESSING__COLOUR="BGR")
+    same = run(
+        ["check", "features", str(tmp_path / "d"), "--against", str(tmp_path / "bgr.json")],
+        SLUICEGATE_PREPROCESSING__COLOUR="BGR",
+    )
     assert same.exit_code == 0, same.output
 
 
