@@ -220,7 +220,9 @@ class ConversionSettings(Group):
     opset: int = Field(18, ge=17, description="ONNX opset of the export.")
     parity_atol: float = Field(1e-4, gt=0, description="Largest |ONNX Runtime - PyTorch| on the validation batch.")
     parity_batch: int = Field(32, ge=1, description="Validation images in the parity batch.")
-    tensorrt: Literal["auto", "off"] = Field("auto", description="Build a TensorRT engine when a GPU and TensorRT exist.")
+    tensorrt: Literal["auto", "off"] = Field(
+        "auto", description="Build a TensorRT engine when a GPU and TensorRT exist."
+    )
     fp16: bool = Field(False, description="Build the TensorRT engine in FP16 (parity bound `fp16_atol`).")
     fp16_atol: float = Field(2e-2, gt=0, description="Parity bound for an FP16 engine (looser, stated).")
     profile: tuple[int, int, int] = Field((1, 8, 64), description="TensorRT batch profile: min, opt, max.")
@@ -232,6 +234,9 @@ class ModelSettings(Group):
 
     name: str = Field("pcb-classifier", description="Registered model name in MLflow (aliases live on it).")
     semver: str = Field("1.0.0", description="MAJOR.MINOR.PATCH of produced model versions (vX.Y.Z-<commit7>-<data7>).")
+    repository: Path | None = Field(
+        None, description="Local model repository (serving layout) the pipeline writes to; unset: <home>/repository."
+    )
 
 
 class StackSettings(Group):
