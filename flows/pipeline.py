@@ -20,6 +20,7 @@ from prefect.artifacts import create_markdown_artifact
 from prefect.runtime import flow_run
 
 from flows import gates
+from flows import train as train_flow
 from flows.wrappers import stage
 from sluicegate import ids
 from sluicegate.settings import Settings
@@ -37,6 +38,7 @@ class PipelineResult:
     data_version: str
     mlflow_run_id: str
     status: str
+    model_version: str = ""
 
 
 def _resolve(
@@ -72,7 +74,7 @@ def _start_run(
         return row.id
 
 
-def _record_dataset(store: MetadataStore, run_id: int, dataset: datasets.ResolvedDataset) -> None:
+def _record_dataset(store: MetadataStore, run_id: int, dataset: datasets.ResolvedDataset) -> int:
     from sluicegate.metadata import repository as repo
 
     with store.session() as session:
@@ -88,6 +90,7 @@ def _record_dataset(store: MetadataStore, run_id: int, dataset: datasets.Resolve
             objects=dataset.objects,
         )
         repo.set_pipeline_run_dataset(session, run_id, version.id)
+        return version.id
 
 
 def _record_mlflow(store: MetadataStore, run_id: int, mlflow_run_id: str) -> None:
@@ -200,7 +203,7 @@ def pipeline(
         dataset, manifest = resolve_dataset(settings, bucket, key, version_id or None)
         stages.append(("resolve dataset", "passed", f"{len(dataset.objects)} objects pinned"))
         _rename_run(f"pipeline/{dataset.name}@{dataset.data7}")
-        record_dataset(store, run_id, dataset)
+        dataset_version_id = record_dataset(store, run_id, dataset)
         mlflow_run_id = track_run(
             settings.mlflow.url,
             settings.mlflow.experiment,
@@ -237,7 +240,47 @@ def pipeline(
         stages.append(("feature gate", "passed" if verdict.passed else "FAILED", verdict.reason()))
         gates.enforce(verdict)
 
-        result = PipelineResult(run_id, dataset.name, dataset.data_version, mlflow_run_id, "succeeded")
+        trained = train_flow.train_model(settings, dataset, manifest, mlflow_run_id)
+        verdict = train_flow.check_training(settings, store, run_id, trained)
+        gates.publish_verdict(
+            settings, store, run_id=run_id, mlflow_run_id=mlflow_run_id, dataset=dataset, verdict=verdict
+        )
+        accuracy = trained.result.best_val_accuracy
+        stages.append(
+            (
+                "train gate",
+                "passed" if verdict.passed else "FAILED",
+                f"{verdict.reason()}; best val accuracy {accuracy:.3f} at epoch {trained.result.best_epoch}",
+            )
+        )
+        gates.enforce(verdict)
+
+        converted = train_flow.convert_model(settings, trained)
+        gates.publish_verdict(
+            settings, store, run_id=run_id, mlflow_run_id=mlflow_run_id, dataset=dataset, verdict=converted.verdict
+        )
+        stages.append(("convert", "passed" if converted.verdict.passed else "FAILED", converted.verdict.reason()))
+        gates.enforce(converted.verdict)
+
+        packaged = train_flow.package_model(
+            settings,
+            store,
+            run_id=run_id,
+            dataset_version_id=dataset_version_id,
+            mlflow_run_id=mlflow_run_id,
+            dataset=dataset,
+            code=code,
+            trained=trained,
+            converted=converted,
+            baseline=baseline,
+        )
+        stages.append(
+            ("model version", "registered", f"{packaged['model_version']} (registry v{packaged['registry_version']})")
+        )
+
+        result = PipelineResult(
+            run_id, dataset.name, dataset.data_version, mlflow_run_id, "succeeded", packaged["model_version"]
+        )
         end_tracking(settings.mlflow.url, mlflow_run_id, succeeded=True, summary=asdict(result))
         record_finish(store, run_id, "succeeded", None)
         logger.info("pipeline run %s succeeded for %s@%s", run_id, dataset.name, dataset.data7)

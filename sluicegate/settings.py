@@ -176,8 +176,9 @@ class FeatureGateSettings(Group):
 class PreprocessingSettings(Group):
     """The candidate's preprocessing (serving/preprocessing.py), recorded with every model."""
 
-    height: int = Field(64, ge=1, description="Model input height.")
-    width: int = Field(64, ge=1, description="Model input width.")
+    # 32x32 keeps CPU training of the default model to minutes; raise it on a GPU work pool.
+    height: int = Field(32, ge=1, description="Model input height.")
+    width: int = Field(32, ge=1, description="Model input width.")
     colour: Literal["RGB", "BGR"] = Field("RGB", description="Channel order the model expects.")
     mean: tuple[float, float, float] = Field((0.485, 0.456, 0.406), description="Per-channel mean (RGB order).")
     std: tuple[float, float, float] = Field((0.229, 0.224, 0.225), description="Per-channel std (RGB order).")
@@ -187,12 +188,12 @@ class TrainingSettings(Group):
     """Gate 3's training run (a small residual CNN by default)."""
 
     arch: Literal["resnet-small"] = Field("resnet-small", description="Model architecture.")
-    width: int = Field(32, ge=4, description="Channels of the first stage (doubled at each later stage).")
+    width: int = Field(16, ge=4, description="Channels of the first stage (doubled at each later stage).")
     blocks: tuple[int, ...] = Field((1, 1, 1), description="Residual blocks per stage (JSON list).")
-    epochs: int = Field(30, ge=1, description="Most epochs to train.")
-    patience: int = Field(5, ge=1, description="Epochs without validation-loss improvement before stopping.")
+    epochs: int = Field(20, ge=1, description="Most epochs to train.")
+    patience: int = Field(4, ge=1, description="Epochs without validation-loss improvement before stopping.")
     batch_size: int = Field(64, ge=1, description="Training batch size.")
-    learning_rate: float = Field(2e-3, gt=0, description="AdamW learning rate.")
+    learning_rate: float = Field(5e-3, gt=0, description="AdamW learning rate.")
     weight_decay: float = Field(1e-4, ge=0, description="AdamW weight decay.")
     seed: int = Field(0, description="Seed of initialisation and data order (deterministic on CPU).")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Where to train; auto: CUDA if present.")

@@ -14,8 +14,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from botocore.exceptions import BotoCoreError, ClientError
-
 from sluicegate import ids
 from sluicegate.errors import DatasetError, StorageError
 
@@ -121,6 +119,8 @@ def manifest_paths(manifest: bytes) -> list[str]:
 
 def read_manifest(s3: S3Client, bucket: str, key: str, version_id: str | None = None) -> tuple[bytes, str, str | None]:
     """Fetch a manifest (the given version when known); returns (bytes, etag, version id)."""
+    from botocore.exceptions import BotoCoreError, ClientError
+
     args: dict[str, Any] = {"Bucket": bucket, "Key": key}
     if version_id:
         args["VersionId"] = version_id
@@ -148,6 +148,8 @@ def resolve_objects(
     Raises:
         DatasetError: listed objects are missing (the first few are named).
     """
+
+    from botocore.exceptions import ClientError
 
     def head(path: str) -> tuple[str, dict[str, Any] | None]:
         try:

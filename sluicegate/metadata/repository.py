@@ -459,6 +459,29 @@ def gate_results_for_run(session: Session, run_id: int) -> list[GateResult]:
     return list(session.scalars(query))
 
 
+def recent_gate_results(
+    session: Session, gate: str, *, passed_only: bool = True, exclude_run_id: int | None = None, limit: int = 50
+) -> list[GateResult]:
+    """The most recent results of one gate across runs, newest first (a gate's history).
+
+    Args:
+        session: An open session.
+        gate: Gate name, e.g. "train".
+        passed_only: Only results that passed (a failed run is not a reference).
+        exclude_run_id: Leave out this run (the one being judged).
+        limit: At most this many.
+
+    Returns:
+        The results, newest first.
+    """
+    query = select(GateResult).where(GateResult.gate == gate)
+    if passed_only:
+        query = query.where(GateResult.passed.is_(True))
+    if exclude_run_id is not None:
+        query = query.where(GateResult.pipeline_run_id != exclude_run_id)
+    return list(session.scalars(query.order_by(GateResult.id.desc()).limit(limit)))
+
+
 # --- model versions and deployments ---------------------------------------------------------------------
 
 

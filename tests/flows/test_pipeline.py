@@ -27,7 +27,7 @@ def pg_platform(platform: Settings, fresh_postgres_url: str, monkeypatch: pytest
 
 
 def test_pipeline_records_lineage(pg_platform: Settings) -> None:
-    key = upload_dataset(pg_platform, "pcb", "2026-11-29", count=4)
+    key = upload_dataset(pg_platform, "pcb", "2026-11-29", count=6)
     result = pipeline(bucket=pg_platform.storage.bucket, key=key, trigger="manual")
     store = MetadataStore(pg_platform.metadata_url)
     with store.session() as session:
@@ -35,7 +35,7 @@ def test_pipeline_records_lineage(pg_platform: Settings) -> None:
         assert run is not None and run.status == "succeeded" and run.trigger == "manual"
         assert run.mlflow_run_id == result["mlflow_run_id"] and run.prefect_flow_run_id
         version = session.scalars(select(DatasetVersion)).one()
-        assert version.data_version == result["data_version"] and version.num_objects == 4
+        assert version.data_version == result["data_version"] and version.num_objects == 6
         assert run.dataset_version_id == version.id
     store.dispose()
     tracked = lineage.client(pg_platform.mlflow.url).get_run(result["mlflow_run_id"])
@@ -43,6 +43,49 @@ def test_pipeline_records_lineage(pg_platform: Settings) -> None:
     assert tracked.data.tags[lineage.TAG_DATA_VERSION] == result["data_version"]
     assert len(tracked.data.tags[lineage.TAG_CODE_VERSION]) in (40, len("unknown"))
     assert tracked.inputs.dataset_inputs[0].dataset.digest == result["data_version"][:7]
+
+
+def test_a_passing_run_registers_a_traceable_model_version(pg_platform: Settings) -> None:
+    """Gates 3-4 and packaging: repository folder, registry version with every tag, metadata row."""
+    from sluicegate.metadata.models import ModelVersion
+    from tasks import registry
+    from tasks.model_repository import verify_version
+
+    key = upload_dataset(pg_platform, "pcb", "model", count=12)
+    result = pipeline(bucket=pg_platform.storage.bucket, key=key, trigger="manual")
+    version = result["model_version"]
+    assert version.startswith("v1.0.0-") and version.endswith(result["data_version"][:7])
+    store = MetadataStore(pg_platform.metadata_url)
+    with store.session() as session:
+        row = session.scalars(select(ModelVersion).where(ModelVersion.version == version)).one()
+        assert row.data_version == result["data_version"] and row.mlflow_run_id == result["mlflow_run_id"]
+        assert {"model.onnx", "config.json", "checkpoint.safetensors"} <= set(row.artifacts)
+        assert "torch" in row.environment and "onnxruntime" in row.environment
+        gates = {
+            g.gate: g.passed
+            for g in __import__("sluicegate.metadata.repository", fromlist=["x"]).gate_results_for_run(
+                session, result["pipeline_run_id"]
+            )
+        }
+        registry_version = row.mlflow_model_version
+    store.dispose()
+    assert gates == {"data": True, "feature": True, "train": True, "convert": True}
+    config = verify_version(pg_platform.home / "repository" / pg_platform.model.name / version)
+    assert config.lineage["sluicegate.data_version"] == result["data_version"]
+    client = lineage.client(pg_platform.mlflow.url)
+    registered = client.get_model_version(pg_platform.model.name, registry_version)
+    for tag in (
+        "sluicegate.model_version",
+        "sluicegate.data_version",
+        "sluicegate.code_version",
+        "sluicegate.mlflow_run_id",
+        "sluicegate.pipeline_run_id",
+    ):
+        assert registered.tags.get(tag), tag
+    assert registry.find_version(pg_platform.mlflow.url, pg_platform.model.name, version) == registry_version
+    artifacts = {a.path for a in client.list_artifacts(result["mlflow_run_id"], "model")}
+    assert "model/model.onnx" in artifacts and "model/SHA256SUMS" in artifacts
+    client.delete_registered_model(pg_platform.model.name)
 
 
 def test_a_broken_dataset_fails_the_run_with_the_reason(pg_platform: Settings) -> None:
@@ -87,7 +130,12 @@ def test_a_sample_dataset_passes_both_gates_with_reports(platform: Settings, tmp
     make_sample(tmp_path / "data", count=120, seed=5)
     pushed = push_directory(platform, tmp_path / "data", "pcb", "good")
     result = pipeline(bucket=platform.storage.bucket, key=pushed.manifest_key, trigger="manual")
-    assert _gate_rows(platform, result["pipeline_run_id"]) == {"data": True, "feature": True}
+    assert _gate_rows(platform, result["pipeline_run_id"]) == {
+        "data": True,
+        "feature": True,
+        "train": True,
+        "convert": True,
+    }
     client = lineage.client(platform.mlflow.url)
     names = {a.path for a in client.list_artifacts(result["mlflow_run_id"], "gates/data")}
     assert {"gates/data/gx_validation.json", "gates/data/report.md", "gates/data/verdict.json"} <= names
@@ -134,9 +182,10 @@ def test_a_champion_with_other_preprocessing_fails_the_feature_gate(platform: Se
     pushed = push_directory(platform, tmp_path / "data", "pcb", "v2")
     client = lineage.client(platform.mlflow.url)
     run = client.create_run(lineage.experiment_id(client, platform.mlflow.experiment))
+    client.create_registered_model(platform.model.name)
     bgr = {
-        "height": 64,
-        "width": 64,
+        "height": 32,
+        "width": 32,
         "colour": "BGR",
         "mean": [0.485, 0.456, 0.406],
         "std": [0.229, 0.224, 0.225],
@@ -144,7 +193,6 @@ def test_a_champion_with_other_preprocessing_fails_the_feature_gate(platform: Se
         "version": "1",
     }
     client.log_dict(run.info.run_id, bgr, champion.PREPROCESSING_ARTIFACT)
-    client.create_registered_model(platform.model.name)
     version = client.create_model_version(
         platform.model.name, source=f"{run.info.artifact_uri}/model", run_id=run.info.run_id
     )

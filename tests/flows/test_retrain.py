@@ -11,8 +11,8 @@ from tests.fixtures.platform import upload_dataset
 
 def test_retrain_runs_the_pipeline_on_the_newest_version(platform: Settings) -> None:
     assert scheduled_retrain() is None  # an empty bucket: nothing to do, and no failure
-    upload_dataset(platform, "pcb", "2026-11-01", count=2, seed=1)
-    newest = upload_dataset(platform, "pcb", "2026-11-02", count=3, seed=2)
+    upload_dataset(platform, "pcb", "2026-11-01", count=6, seed=1)
+    newest = upload_dataset(platform, "pcb", "2026-11-02", count=6, seed=2)
     result = scheduled_retrain()
     assert result is not None and result["dataset"] == "pcb"
     store = MetadataStore(platform.metadata_url)

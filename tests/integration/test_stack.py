@@ -38,6 +38,7 @@ def stack_settings(home: Path, **overrides: Any) -> Settings:
         mlflow={"port": free_port()},
         events={"webhook_port": free_port()},
         stack={"start_timeout": 180, "stop_timeout": 15},
+        training={"epochs": 2, "width": 8},
         **overrides,
     )
 
@@ -97,7 +98,7 @@ def test_up_again_is_a_no_op_and_status_is_healthy(running_stack: Settings) -> N
 
 
 def test_manifest_upload_runs_the_pipeline_and_records_lineage(running_stack: Settings) -> None:
-    key = upload_dataset(running_stack, "pcb", "chain", count=4)
+    key = upload_dataset(running_stack, "pcb", "chain", count=6)
     run = wait_for_run(running_stack, key)
     assert run["state_type"] == "COMPLETED", run["state"]
     assert run["name"].startswith("pipeline/pcb@")
@@ -121,7 +122,7 @@ def test_manifest_upload_runs_the_pipeline_and_records_lineage(running_stack: Se
 
 
 def test_duplicate_delivery_gives_one_run(running_stack: Settings) -> None:
-    key = upload_dataset(running_stack, "pcb", "dup", count=2)
+    key = upload_dataset(running_stack, "pcb", "dup", count=6)
     first = wait_for_run(running_stack, key)
     head = storage.s3_client(running_stack).head_object(Bucket=running_stack.storage.bucket, Key=key)
     # The notification as moto sends it (no versionId, no sequencer), delivered twice more:
@@ -154,7 +155,7 @@ def test_duplicate_delivery_gives_one_run(running_stack: Settings) -> None:
 def test_a_malformed_message_does_not_stop_the_next_good_one(running_stack: Settings) -> None:
     sqs = storage.sqs_client(running_stack)
     sqs.send_message(QueueUrl=storage.queue_url(running_stack, sqs), MessageBody='{"Records": "oops"}')
-    key = upload_dataset(running_stack, "pcb", "after-bad", count=2)
+    key = upload_dataset(running_stack, "pcb", "after-bad", count=6)
     assert wait_for_run(running_stack, key)["state_type"] == "COMPLETED"
     store = MetadataStore(running_stack.metadata_url)
     with store.session() as session:

@@ -46,8 +46,8 @@ def test_check_features_against_a_spec_file(tmp_path: Path) -> None:
     first = run(["check", "features", str(tmp_path / "d")])
     assert first.exit_code == 0 and "first model" in first.output
     spec = {
-        "height": 64,
-        "width": 64,
+        "height": 32,
+        "width": 32,
         "colour": "BGR",
         "mean": [0.485, 0.456, 0.406],
         "std": [0.229, 0.224, 0.225],
@@ -79,3 +79,34 @@ def test_push_ls_pull_and_check_from_s3(platform: Settings, tmp_path: Path) -> N
     assert remote.exit_code == 0, remote.output
     missing = run(["dataset", "pull", "pcb", "nope", str(tmp_path / "none")], platform)
     assert missing.exit_code == 1 and "does not exist" in missing.output
+
+
+def test_train_writes_a_verified_repository_version(tmp_path: Path) -> None:
+    from tasks.model_repository import verify_version
+
+    run(["dataset", "make-sample", str(tmp_path / "d"), "--count", "120", "--seed", "4"])
+    result = run(
+        ["train", str(tmp_path / "d"), "--out", str(tmp_path / "repo")],
+        SLUICEGATE_TRAINING__EPOCHS="2",
+        SLUICEGATE_TRAINING__WIDTH="8",
+        SLUICEGATE_HOME=str(tmp_path),
+    )
+    assert result.exit_code == 0, result.output
+    [version_dir] = list((tmp_path / "repo" / "pcb-classifier").iterdir())
+    config = verify_version(version_dir)
+    assert config.platform == "onnxruntime" and config.labels == ["bridge", "excess", "good", "insufficient"]
+    assert "TensorRT engine: skipped" in result.output
+
+
+def test_train_with_an_absurd_learning_rate_fails_the_train_gate(tmp_path: Path) -> None:
+    run(["dataset", "make-sample", str(tmp_path / "d"), "--count", "120", "--seed", "4"])
+    result = run(
+        ["train", str(tmp_path / "d"), "--out", str(tmp_path / "repo")],
+        SLUICEGATE_TRAINING__EPOCHS="4",
+        SLUICEGATE_TRAINING__PATIENCE="4",
+        SLUICEGATE_TRAINING__WIDTH="8",
+        SLUICEGATE_TRAINING__LEARNING_RATE="1000",
+        SLUICEGATE_HOME=str(tmp_path),
+    )
+    assert result.exit_code == 1 and "train gate: FAILED" in result.output
+    assert not (tmp_path / "repo").exists()

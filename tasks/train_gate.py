@@ -1,0 +1,166 @@
+"""Gate 3, the train gate: was the training run itself stable, and like the earlier runs of this model?
+
+DESIGN section 5: the per-epoch training-loss curve is finite and smooth (mean absolute second difference
+of the min-max normalised curve under a bound); with a history of earlier runs of the same model, the
+final loss is within a tolerance of their mean, and so is the peak memory. The first run has no history:
+it is held to finiteness and smoothness only, and its metrics become the history of the next.
+
+The history is read back from the metrics this gate recorded (``gate_metrics``, ``history_from_metrics``),
+so the metadata store needs no table of its own for it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from sluicegate.settings import TrainGateSettings
+from tasks.verdicts import Check, GateVerdict
+
+GATE = "train"
+
+
+@dataclass(frozen=True)
+class HistoryRun:
+    """What the gate compares against from one earlier run of the same model."""
+
+    final_loss: float
+    peak_memory_bytes: int
+
+
+def roughness(curve: Sequence[float]) -> float:
+    """Mean |second difference| of the curve scaled to [0, 1] by its min and max.
+
+    Scaling makes the bound independent of the loss's units and level; a flat curve (max == min) and one
+    shorter than 3 points have no curvature to measure and score 0. Non-finite points are left out: the
+    finiteness check reports them, and one defect should fail one check.
+    """
+    values = [float(v) for v in curve if math.isfinite(v)]
+    if len(values) < 3:
+        return 0.0
+    low, high = min(values), max(values)
+    if high == low:
+        return 0.0
+    scaled = [(v - low) / (high - low) for v in values]
+    seconds = [abs(scaled[i + 2] - 2 * scaled[i + 1] + scaled[i]) for i in range(len(scaled) - 2)]
+    return sum(seconds) / len(seconds)
+
+
+def gate_metrics(curve: Sequence[float], peak_memory_bytes: int) -> dict[str, Any]:
+    """The metrics a train-gate verdict records: enough for ``history_from_metrics`` to rebuild a run.
+
+    Non-finite losses are written as None: the metrics are stored as JSON, which has no NaN or Infinity.
+    """
+    points = [float(v) if math.isfinite(v) else None for v in curve]
+    return {
+        "train_loss_curve": points,
+        "final_loss": points[-1] if points else None,
+        "peak_memory_bytes": int(peak_memory_bytes),
+        "roughness": roughness(curve),
+        "epochs": len(points),
+    }
+
+
+def history_from_metrics(metrics: Sequence[Mapping[str, Any]]) -> list[HistoryRun]:
+    """Earlier runs from their recorded train-gate metrics, oldest first as given.
+
+    Runs without a finite final loss or a peak memory (a diverged run, or metrics from before this gate
+    existed) are skipped: they describe no stable run to compare with.
+    """
+    runs = []
+    for entry in metrics:
+        final, peak = entry.get("final_loss"), entry.get("peak_memory_bytes")
+        if isinstance(final, bool) or not isinstance(final, int | float) or not math.isfinite(final):
+            continue
+        if isinstance(peak, bool) or not isinstance(peak, int | float) or not math.isfinite(peak):
+            continue
+        runs.append(HistoryRun(final_loss=float(final), peak_memory_bytes=int(peak)))
+    return runs
+
+
+def train_gate(
+    result_curve: Sequence[float],
+    peak_memory_bytes: int,
+    history: Sequence[HistoryRun],
+    settings: TrainGateSettings,
+    *,
+    val_curve: Sequence[float] = (),
+) -> GateVerdict:
+    """Judge one training run.
+
+    Args:
+        result_curve: per-epoch mean training loss (``TrainingResult.train_loss_curve``).
+        peak_memory_bytes: the run's peak (``TrainingResult.peak_memory_bytes``).
+        history: earlier runs of the same model, oldest first; the last ``settings.history_runs`` count.
+        settings: the train-gate group of the platform settings.
+        val_curve: per-epoch validation loss; a non-finite value fails "finite loss" too (weights that
+            blew up can leave the last training-loss mean finite).
+
+    Returns:
+        Checks "finite loss" and "loss smoothness", then either "history" (first run, passed) or
+        "final loss vs history" and "peak memory vs history"; metrics from ``gate_metrics`` plus the
+        history means.
+    """
+    curve = [float(v) for v in result_curve]
+    bad = sorted(
+        {i + 1 for i, v in enumerate(curve) if not math.isfinite(v)}
+        | {i + 1 for i, v in enumerate(val_curve) if not math.isfinite(float(v))}
+    )
+    checks = [
+        Check(
+            "finite loss",
+            len(bad),
+            "== 0 non-finite epochs",
+            not bad and bool(curve),
+            detail=f"non-finite at epoch(s) {bad[:5]}" if bad else ("" if curve else "empty loss curve"),
+        ),
+    ]
+    rough = roughness(curve)
+    checks.append(
+        Check("loss smoothness", round(rough, 6), f"<= {settings.max_roughness:g}", rough <= settings.max_roughness)
+    )
+    metrics = gate_metrics(curve, peak_memory_bytes)
+    recent = list(history)[-settings.history_runs :]
+    if not recent:
+        checks.append(Check("history", "first run", "-", True, detail="no earlier runs; this run starts the history"))
+        return GateVerdict(GATE, tuple(checks), {**metrics, "history_runs": 0})
+
+    mean_loss = sum(run.final_loss for run in recent) / len(recent)
+    mean_peak = sum(run.peak_memory_bytes for run in recent) / len(recent)
+    final = curve[-1] if curve else math.nan
+    loss_change = _relative(final, mean_loss)
+    memory_change = _relative(float(peak_memory_bytes), mean_peak)
+    checks += [
+        Check(
+            "final loss vs history",
+            _shown(loss_change),
+            f"<= {settings.final_loss_tolerance:g}",
+            loss_change <= settings.final_loss_tolerance,
+            detail=f"final loss {final:.4g} vs mean {mean_loss:.4g} of {len(recent)} earlier run(s)",
+        ),
+        Check(
+            "peak memory vs history",
+            _shown(memory_change),
+            f"<= {settings.memory_tolerance:g}",
+            memory_change <= settings.memory_tolerance,
+            detail=f"peak {peak_memory_bytes} bytes vs mean {mean_peak:.0f} of {len(recent)} earlier run(s)",
+        ),
+    ]
+    history_metrics = {"history_runs": len(recent), "history_final_loss": mean_loss, "history_peak_memory": mean_peak}
+    return GateVerdict(GATE, tuple(checks), {**metrics, **history_metrics})
+
+
+def _relative(value: float, reference: float) -> float:
+    """|value - reference| / reference; a zero reference allows only an exact match. NaN compares as failed."""
+    if not math.isfinite(value):
+        return math.nan
+    if reference == 0:
+        return 0.0 if value == 0 else math.inf
+    return abs(value - reference) / abs(reference)
+
+
+def _shown(value: float) -> float | str:
+    # Verdicts are stored as JSON, which has no NaN or Infinity: those are named instead.
+    return round(value, 6) if math.isfinite(value) else str(value)

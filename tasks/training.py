@@ -1,0 +1,471 @@
+"""Gate 3's training run: a dataset split loaded through the shared preprocessing, a small CNN trained on it.
+
+The inputs are made by ``serving.preprocessing.preprocess``, the code the model server runs, so the model
+is trained on exactly the tensors it will be served. Augmentation only flips and rotates those tensors by
+multiples of 90 degrees: per-channel normalisation commutes with both, so the contract holds.
+
+On the CPU a run is deterministic: the same data, settings and seed give bit-identical weights (global RNG
+state and the deterministic-algorithms flag are restored afterwards). Checkpoints are safetensors, never
+pickle, so loading one cannot run code.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import hashlib
+import io
+import logging
+import math
+import os
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import numpy.typing as npt
+import torch
+from torch import nn
+
+from serving.preprocessing import PreprocessSpec, preprocess
+from sluicegate.errors import ConfigError, DatasetError
+from sluicegate.settings import TrainingSettings
+from tasks.dataset_source import DatasetSource, map_objects
+from tasks.image_stats import decode_rgb
+from tasks.model_zoo import build_model
+
+log = logging.getLogger(__name__)
+
+# Decoded images preprocessed at once: bounds the uint8 images held besides the float32 output.
+PREPROCESS_CHUNK = 256
+# Validation batches carry no activations for backward, so they can be larger than training ones.
+EVAL_BATCH = 256
+
+Split = tuple[npt.NDArray[np.float32], npt.NDArray[np.int64]]
+
+
+@dataclass(frozen=True)
+class EpochRecord:
+    """One epoch. ``seconds`` covers training and validation; ``images_per_second`` the training pass only."""
+
+    epoch: int  # 1-based
+    train_loss: float
+    val_loss: float
+    val_accuracy: float
+    seconds: float
+    images_per_second: float
+
+
+@dataclass(frozen=True)
+class TrainingResult:
+    labels: tuple[str, ...]  # class index -> label
+    history: tuple[EpochRecord, ...]
+    best_epoch: int
+    best_val_loss: float
+    best_val_accuracy: float
+    peak_memory_bytes: int  # CPU: peak RSS growth over the run; CUDA: torch.cuda.max_memory_allocated
+    device: str
+    amp: bool  # bf16 autocast was actually used (requested and on CUDA)
+    parameters: int
+    stopped_early: bool  # patience ran out or the loss became non-finite
+    train_loss_curve: tuple[float, ...]  # per-epoch mean training loss: what the train gate reads
+
+
+def load_split(
+    source: DatasetSource,
+    manifest: bytes,
+    split: str,
+    spec: PreprocessSpec,
+    labels: Sequence[str] | None,
+    *,
+    concurrency: int = 16,
+) -> tuple[npt.NDArray[np.float32], npt.NDArray[np.int64], tuple[str, ...]]:
+    """The labelled rows of one split, decoded and preprocessed with ``spec``.
+
+    Args:
+        source: where the images are.
+        manifest: the dataset version's manifest.csv bytes.
+        split: "train", "val" or "test".
+        spec: the candidate model's preprocessing.
+        labels: class index -> label (the training split's labels when loading val/test); None: the
+            sorted labels of this split.
+        concurrency: objects read and decoded in parallel.
+
+    Returns:
+        ``(X, y, labels)``: float32 ``(N, 3, H, W)``, int64 ``(N,)`` and the labels ``y`` indexes. Rows
+        with an empty label, and images that are missing or do not decode, are skipped (the data gate
+        reports those).
+
+    Raises:
+        DatasetError: the manifest cannot be read, the split has no usable rows, or a row's label is not
+            in ``labels`` (a model cannot be scored on a class it does not have).
+    """
+    rows = _labelled_rows(manifest, split)
+    if not rows:
+        raise DatasetError(f"manifest.csv has no rows with split {split!r} and a label; nothing to load")
+    names = tuple(sorted({label for _, label in rows})) if labels is None else tuple(labels)
+    index = {label: i for i, label in enumerate(names)}
+    unknown = sorted({label for _, label in rows} - set(index))
+    if unknown:
+        raise DatasetError(
+            f"split {split!r} has label(s) {unknown} that are not among the model's labels {list(names)}; "
+            "relabel those rows or train on a dataset that has them"
+        )
+    label_of = dict(rows)
+    chunks: list[npt.NDArray[np.float32]] = []
+    targets: list[int] = []
+    pending: list[npt.NDArray[np.uint8]] = []
+    skipped = 0
+    for path, outcome in map_objects(source, [path for path, _ in rows], _decode_or_none, concurrency):
+        if not isinstance(outcome, np.ndarray):
+            skipped += 1
+            continue
+        pending.append(outcome)
+        targets.append(index[label_of[path]])
+        if len(pending) == PREPROCESS_CHUNK:
+            chunks.append(preprocess(pending, spec))
+            pending = []
+    if pending:
+        chunks.append(preprocess(pending, spec))
+    if skipped:
+        log.warning("split %s: skipped %d of %d images that are missing or undecodable", split, skipped, len(rows))
+    if not chunks:
+        raise DatasetError(f"split {split!r}: none of its {len(rows)} images could be read and decoded")
+    return np.concatenate(chunks), np.asarray(targets, dtype=np.int64), names
+
+
+def _labelled_rows(manifest: bytes, split: str) -> list[tuple[str, str]]:
+    try:
+        text = manifest.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        raise DatasetError(f"manifest.csv is not UTF-8 text: {exc}") from exc
+    reader = csv.DictReader(io.StringIO(text), skipinitialspace=True)
+    if not {"path", "label", "split"} <= {name.strip() for name in reader.fieldnames or []}:
+        raise DatasetError("manifest.csv lacks a column; its header must be 'path,label,split'")
+    rows = []
+    for raw in reader:
+        row = {key.strip(): (value or "").strip() for key, value in raw.items() if key is not None}
+        if row["split"] == split and row["label"] and row["path"]:
+            rows.append((row["path"], row["label"]))
+    return rows
+
+
+def _decode_or_none(_: str, data: bytes) -> npt.NDArray[np.uint8] | None:
+    try:
+        return decode_rgb(data)
+    except (OSError, ValueError, SyntaxError):
+        return None
+
+
+def train(
+    train: Split,
+    val: Split,
+    labels: Sequence[str],
+    settings: TrainingSettings,
+    *,
+    on_epoch: Callable[[EpochRecord], None] | None = None,
+) -> tuple[nn.Module, TrainingResult]:
+    """Train ``settings.arch`` with AdamW and a cosine schedule, early-stopping on validation loss.
+
+    Args:
+        train: ``(X, y)`` from ``load_split``.
+        val: ``(X, y)`` from ``load_split`` with the training labels.
+        labels: class index -> label.
+        settings: the training group of the platform settings.
+        on_epoch: called after every epoch (progress, MLflow metrics).
+
+    Returns:
+        The model with the weights of its best validation epoch, in eval mode, on the training device, and
+        the run's summary. A non-finite loss stops training without raising; it stays in
+        ``train_loss_curve`` for the train gate to fail.
+
+    Raises:
+        ValueError: arrays of the wrong shape or dtype, empty splits or labels out of range.
+        ConfigError: ``settings.device`` is "cuda" on a machine without CUDA.
+    """
+    _check_split("train", train, len(labels))
+    _check_split("val", val, len(labels))
+    device = _device(settings.device)
+    amp = settings.amp and device.type == "cuda"
+    # The global RNGs are forked so seeding here does not change what the caller draws afterwards.
+    forked = [device.index or 0] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=forked), _deterministic(device.type == "cpu"):
+        torch.manual_seed(settings.seed)
+        model = build_model(settings.arch, len(labels), width=settings.width, blocks=settings.blocks).to(device)
+        meter = _PeakMemory(device)
+        history, best_state, stopped_early = _fit(model, train, val, settings, device, amp, meter, on_epoch)
+    if best_state is not None:
+        model.load_state_dict(best_state)
+    model.eval()
+    best = _best(history)
+    result = TrainingResult(
+        labels=tuple(labels),
+        history=tuple(history),
+        best_epoch=best.epoch,
+        best_val_loss=best.val_loss,
+        best_val_accuracy=best.val_accuracy,
+        peak_memory_bytes=meter.peak(),
+        device=device.type,
+        amp=amp,
+        parameters=sum(p.numel() for p in model.parameters()),
+        stopped_early=stopped_early,
+        train_loss_curve=tuple(record.train_loss for record in history),
+    )
+    return model, result
+
+
+def _fit(
+    model: nn.Module,
+    train: Split,
+    val: Split,
+    settings: TrainingSettings,
+    device: torch.device,
+    amp: bool,
+    meter: _PeakMemory,
+    on_epoch: Callable[[EpochRecord], None] | None,
+) -> tuple[list[EpochRecord], dict[str, torch.Tensor] | None, bool]:
+    """The epoch loop: (history, best weights (None: no finite validation loss), stopped early)."""
+    x_train, y_train = torch.from_numpy(train[0]), torch.from_numpy(train[1])
+    x_val, y_val = torch.from_numpy(val[0]), torch.from_numpy(val[1])
+    steps = _steps_per_epoch(len(x_train), settings.batch_size)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=settings.learning_rate, weight_decay=settings.weight_decay)
+    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=settings.epochs * steps)
+    # A generator of its own (on the CPU, whatever the device) makes data order and augmentation a
+    # function of the seed alone.
+    generator = torch.Generator().manual_seed(settings.seed)
+    history: list[EpochRecord] = []
+    best_loss, best_state, waited = math.inf, None, 0
+    for epoch in range(1, settings.epochs + 1):
+        started = time.perf_counter()
+        train_loss, images = _train_epoch(
+            model, optimizer, scheduler, x_train, y_train, settings, device, amp, generator, meter
+        )
+        train_seconds = time.perf_counter() - started
+        val_loss, val_accuracy = _evaluate(model, x_val, y_val, device, amp)
+        record = EpochRecord(
+            epoch=epoch,
+            train_loss=train_loss,
+            val_loss=val_loss,
+            val_accuracy=val_accuracy,
+            seconds=time.perf_counter() - started,
+            images_per_second=images / max(train_seconds, 1e-9),
+        )
+        history.append(record)
+        log.info(
+            "epoch %d: train loss %.4f, val loss %.4f, val accuracy %.4f, %.0f images/s",
+            epoch,
+            train_loss,
+            val_loss,
+            val_accuracy,
+            record.images_per_second,
+        )
+        if on_epoch is not None:
+            on_epoch(record)
+        if not math.isfinite(train_loss) or not math.isfinite(val_loss):
+            log.warning("epoch %d: non-finite loss (train %s, val %s); training stopped", epoch, train_loss, val_loss)
+            return history, best_state, True
+        if val_loss < best_loss:
+            best_loss, waited = val_loss, 0
+            best_state = {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
+        else:
+            waited += 1
+            if waited >= settings.patience:
+                return history, best_state, epoch < settings.epochs
+    return history, best_state, False
+
+
+def _train_epoch(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    settings: TrainingSettings,
+    device: torch.device,
+    amp: bool,
+    generator: torch.Generator,
+    meter: _PeakMemory,
+) -> tuple[float, int]:
+    """One pass over the shuffled training set: (mean batch loss, non-finite if any batch's was; images seen)."""
+    model.train()
+    square = x.shape[2] == x.shape[3]
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    batches = images = 0
+    for indices in _batches(len(x), settings.batch_size, generator):
+        inputs = _augment(x[indices], generator, square=square).to(device, non_blocking=True)
+        targets = y[indices].to(device, non_blocking=True)
+        with torch.autocast(device_type="cuda", dtype=torch.bfloat16, enabled=amp):
+            logits: torch.Tensor = model(inputs)
+            loss = nn.functional.cross_entropy(logits, targets)
+        meter.sample()
+        optimizer.zero_grad(set_to_none=True)
+        torch.autograd.backward(loss)  # the functional form: Tensor.backward is untyped in torch 2.13 stubs
+        optimizer.step()
+        scheduler.step()
+        # Summed on the device and read once per epoch: a per-batch .item() would stall a GPU every step.
+        total += loss.detach().double()
+        batches += 1
+        images += len(indices)
+    return float(total.item()) / batches, images
+
+
+def _batches(count: int, batch_size: int, generator: torch.Generator) -> Iterator[torch.Tensor]:
+    order = torch.randperm(count, generator=generator)
+    for start in range(0, _steps_per_epoch(count, batch_size) * batch_size, batch_size):
+        yield order[start : start + batch_size]
+
+
+def _steps_per_epoch(count: int, batch_size: int) -> int:
+    # A trailing batch of one image is dropped: batch norm cannot normalise a single sample in training.
+    full, rest = divmod(count, batch_size)
+    return full + (1 if rest > 1 or (rest == 1 and full == 0) else 0)
+
+
+def _augment(x: torch.Tensor, generator: torch.Generator, *, square: bool) -> torch.Tensor:
+    """A random symmetry of each image: the 8 of the square (flips, 90-degree turns), or for non-square
+    inputs the 4 that keep the shape. The rendered joints appear at any orientation, so labels hold."""
+    choices = torch.randint(0, 8 if square else 4, (len(x),), generator=generator)
+    out = x.clone()
+    for choice in range(8 if square else 4):
+        picked = (choices == choice).nonzero().flatten()
+        if len(picked) == 0 or choice == 0:
+            continue
+        sub = x[picked]
+        if square:
+            sub = torch.rot90(sub, choice % 4, dims=(2, 3))
+            if choice >= 4:
+                sub = sub.flip(3)
+        else:
+            sub = sub.flip([axis for bit, axis in ((1, 2), (2, 3)) if choice & bit])
+        out[picked] = sub
+    return out
+
+
+@torch.no_grad()
+def _evaluate(
+    model: nn.Module, x: torch.Tensor, y: torch.Tensor, device: torch.device, amp: bool
+) -> tuple[float, float]:
+    """(mean cross-entropy, accuracy) over a split, in eval mode."""
+    model.eval()
+    loss = torch.zeros((), dtype=torch.float64, device=device)
+    correct = torch.zeros((), dtype=torch.int64, device=device)
+    for start in range(0, len(x), EVAL_BATCH):
+        inputs = x[start : start + EVAL_BATCH].to(device, non_blocking=True)
+        targets = y[start : start + EVAL_BATCH].to(device, non_blocking=True)
+        with torch.autocast(device_type="cuda", dtype=torch.bfloat16, enabled=amp):
+            logits: torch.Tensor = model(inputs)
+        loss += nn.functional.cross_entropy(logits.float(), targets, reduction="sum").double()
+        correct += (logits.argmax(dim=1) == targets).sum()
+    return float(loss.item()) / len(x), int(correct.item()) / len(x)
+
+
+def _best(history: Sequence[EpochRecord]) -> EpochRecord:
+    """The epoch with the lowest finite validation loss; the last one when none is finite."""
+    finite = [record for record in history if math.isfinite(record.val_loss)]
+    return min(finite, key=lambda record: record.val_loss) if finite else history[-1]
+
+
+def _check_split(name: str, split: Split, classes: int) -> None:
+    x, y = split
+    if x.ndim != 4 or x.shape[1] != 3 or x.dtype != np.float32:
+        raise ValueError(f"{name} X must be float32 (N, 3, H, W) from load_split, got {x.dtype} {x.shape}")
+    if y.shape != (len(x),) or y.dtype != np.int64:
+        raise ValueError(f"{name} y must be int64 of shape ({len(x)},), got {y.dtype} {y.shape}")
+    if len(x) == 0:
+        raise ValueError(f"{name} split is empty; training needs at least one image in it")
+    if y.min() < 0 or y.max() >= classes:
+        raise ValueError(f"{name} y must index the {classes} labels, got values {y.min()}..{y.max()}")
+
+
+def _device(requested: str) -> torch.device:
+    if requested == "cpu":
+        return torch.device("cpu")
+    available = torch.cuda.is_available()
+    if requested == "cuda" and not available:
+        raise ConfigError("SLUICEGATE_TRAINING__DEVICE is 'cuda' but CUDA is not available; set it to 'auto' or 'cpu'")
+    return torch.device("cuda", torch.cuda.current_device()) if available else torch.device("cpu")
+
+
+@contextlib.contextmanager
+def _deterministic(enabled: bool) -> Iterator[None]:
+    """Deterministic kernels while training, the caller's setting afterwards.
+
+    Only on the CPU: on CUDA deterministic cuBLAS needs CUBLAS_WORKSPACE_CONFIG set before CUDA starts,
+    which is the process's business, not a training function's.
+    """
+    previous = torch.are_deterministic_algorithms_enabled()
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    if enabled:
+        torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(previous, warn_only=warn_only)
+
+
+class _PeakMemory:
+    """Peak memory of the run. CUDA: the allocator's own peak. CPU: the largest growth of resident memory
+    over its value at the start, sampled after each forward pass (when activations are held), because
+    ru_maxrss is a lifetime high-water mark that an earlier, larger job in the process would hide."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+            self._start = torch.cuda.memory_allocated(device)
+            return
+        import psutil
+
+        self._process = psutil.Process(os.getpid())
+        self._start = self._process.memory_info().rss
+        self._max = self._start
+
+    def sample(self) -> None:
+        if self.device.type != "cuda":
+            self._max = max(self._max, self._process.memory_info().rss)
+
+    def peak(self) -> int:
+        if self.device.type == "cuda":
+            return int(torch.cuda.max_memory_allocated(self.device))
+        return max(0, self._max - self._start)
+
+
+def save_checkpoint(model: nn.Module, path: Path, metadata: Mapping[str, str]) -> str:
+    """Write the model's state dict as safetensors (no pickle: loading cannot run code).
+
+    The file is written next to ``path`` and renamed into place, so a reader never sees half of one.
+
+    Returns:
+        The sha256 of the file written.
+
+    Raises:
+        TypeError: a metadata key or value is not a string (safetensors stores only strings).
+    """
+    from safetensors.torch import save_file
+
+    bad = {key: value for key, value in metadata.items() if not isinstance(key, str) or not isinstance(value, str)}
+    if bad:
+        raise TypeError(f"checkpoint metadata must map str to str; convert these entries first: {bad!r}")
+    # Copies on the CPU, contiguous and unshared: what safetensors requires of every tensor.
+    tensors = {name: tensor.detach().to("cpu").contiguous().clone() for name, tensor in model.state_dict().items()}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(path.name + ".partial")
+    save_file(tensors, str(partial), metadata=dict(metadata))
+    partial.replace(path)
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def load_checkpoint(model: nn.Module, path: Path) -> dict[str, str]:
+    """Load a ``save_checkpoint`` file into ``model`` (strict: every tensor must match); returns its metadata."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    with safe_open(str(path), framework="pt") as handle:
+        metadata = dict(handle.metadata() or {})
+    model.load_state_dict(load_file(str(path)), strict=True)
+    return metadata
