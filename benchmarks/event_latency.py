@@ -7,7 +7,9 @@ percentiles of each hop:
   PUT -> event emitted   the S3 notification, SQS long poll and the bridge (metadata store + POST)
   PUT -> run created     plus Prefect's trigger evaluation
   PUT -> run started     plus the runner's poll and the flow-run subprocess reaching Running
-  PUT -> run finished    the whole (current) pipeline
+
+(The uploaded "image" is not a PNG: each run stops at the data gate, which keeps the 20 runs short;
+only the hops up to the run's start are measured.)
 
 Target (issue 2): p50 PUT -> run started <= 2 s.
 """
@@ -57,7 +59,7 @@ def one_upload(settings: Settings, index: int) -> dict[str, float]:
     put_at = datetime.now(UTC)
     s3.put_object(Bucket=settings.storage.bucket, Key=key, Body=b"path,label,split\nimages/0.png,good,train\n")
     run = wait_for_flow_run(settings.prefect.url, key, timeout=120, poll=0.05)
-    if run is None or run.start_time is None or run.end_time is None:
+    if run is None or run.start_time is None:
         raise RuntimeError(f"upload {index}: no finished flow run for {key}; see {settings.home / 'logs'}")
     store = MetadataStore(settings.metadata_url)
     with store.session() as session:
@@ -68,7 +70,6 @@ def one_upload(settings: Settings, index: int) -> dict[str, float]:
         "PUT -> event emitted": (emitted - put_at).total_seconds(),
         "PUT -> run created": (run.created - put_at).total_seconds(),
         "PUT -> run started": (run.start_time - put_at).total_seconds(),
-        "PUT -> run finished": (run.end_time - put_at).total_seconds(),
     }
 
 

@@ -155,8 +155,8 @@ def _package(
     from tasks.model_repository import ModelConfig, write_version
     from tasks.training import save_checkpoint
 
-    major, minor, patch = (int(part) for part in settings.model.semver.split("."))
-    version = str(ids.model_version((major, minor, patch), code, dataset.data_version))
+    repository = settings.model.repository or settings.home / "repository"
+    version = _free_version(repository, settings, code, dataset.data_version, mlflow_run_id)
     lineage_tags = {
         "sluicegate.model_version": version,
         "sluicegate.data_version": dataset.data_version,
@@ -184,7 +184,6 @@ def _package(
         drift_baseline=baseline,
         lineage=lineage_tags,
     )
-    repository = settings.model.repository or settings.home / "repository"
     version_dir = write_version(repository, config, files)
     environment = ids.environment()
     registry_version = registry.register_version(
@@ -209,6 +208,21 @@ def _package(
             mlflow_model_version=registry_version,
         )
     return {"model_version": version, "registry_version": registry_version, "repository": str(version_dir)}
+
+
+def _free_version(repository: Path, settings: Settings, code: ids.CodeVersion, data_version: str, run: str) -> str:
+    """The model version for this build: the configured semver, with PATCH raised past builds of the same
+    (code, data) by other runs (a retrain of an unchanged dataset is a new build, not the same one), and
+    this run's own version again when a crashed run is re-run."""
+    from tasks.model_repository import read_config
+
+    major, minor, patch = (int(part) for part in settings.model.semver.split("."))
+    while True:
+        version = str(ids.model_version((major, minor, patch), code, data_version))
+        folder = repository / settings.model.name / version
+        if not folder.exists() or read_config(folder).lineage.get("sluicegate.mlflow_run_id") == run:
+            return version
+        patch += 1
 
 
 train_model = stage(_train, "train", network=False)

@@ -85,6 +85,10 @@ def test_a_passing_run_registers_a_traceable_model_version(pg_platform: Settings
     assert registry.find_version(pg_platform.mlflow.url, pg_platform.model.name, version) == registry_version
     artifacts = {a.path for a in client.list_artifacts(result["mlflow_run_id"], "model")}
     assert "model/model.onnx" in artifacts and "model/SHA256SUMS" in artifacts
+    # A retrain on the same dataset version and commit is a new build: PATCH goes up, nothing is overwritten.
+    again = pipeline(bucket=pg_platform.storage.bucket, key=key, trigger="manual")
+    assert again["model_version"] == version.replace("v1.0.0-", "v1.0.1-", 1)
+    assert verify_version(pg_platform.home / "repository" / pg_platform.model.name / version).version == version
     client.delete_registered_model(pg_platform.model.name)
 
 

@@ -39,6 +39,8 @@ def stack_settings(home: Path, **overrides: Any) -> Settings:
         events={"webhook_port": free_port()},
         stack={"start_timeout": 180, "stop_timeout": 15},
         training={"epochs": 2, "width": 8},
+        # Wiring, not model quality: two-epoch runs on random images have no stable final loss.
+        train_gate={"final_loss_tolerance": 100.0, "memory_tolerance": 100.0},
         **overrides,
     )
 
