@@ -75,10 +75,9 @@ def _feature_gate(settings: Settings, dataset: ResolvedDataset) -> GateVerdict:
 
 
 def candidate_spec(settings: Settings) -> Any:
-    from serving.preprocessing import PreprocessSpec
+    from tasks.feature_gate import spec_from_settings
 
-    p = settings.preprocessing
-    return PreprocessSpec(height=p.height, width=p.width, colour=p.colour, mean=p.mean, std=p.std)
+    return spec_from_settings(settings.preprocessing)
 
 
 def _publish(

@@ -9,9 +9,9 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Annotated
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
+from sluicegate.cli_common import console, load_settings
 from sluicegate.cli_data import check_app, dataset_app
 from sluicegate.cli_train import train_command
 from sluicegate.errors import SluicegateError
@@ -28,15 +28,6 @@ app.add_typer(storage_app, name="storage")
 app.add_typer(dataset_app, name="dataset")
 app.add_typer(check_app, name="check")
 app.command("train")(train_command)
-console = Console()
-
-
-def _settings() -> Settings:
-    try:
-        return Settings()
-    except Exception as exc:  # pydantic's message names the field and the value
-        console.print(f"[red]invalid settings:[/red] {exc}")
-        raise typer.Exit(2) from exc
 
 
 def _configure_logging(level: int = logging.INFO) -> None:
@@ -55,7 +46,7 @@ def up() -> None:
     """Start the embedded stack (a no-op when it is already running) and print its URLs."""
     from sluicegate import stack
 
-    settings = _settings()
+    settings = load_settings()
     seen: set[str] = set()
 
     def progress(state: stack.StackState) -> None:
@@ -107,7 +98,7 @@ def status() -> None:
     """Each part of the embedded stack: process, health, restarts."""
     from sluicegate import stack
 
-    settings = _settings()
+    settings = load_settings()
     overall, rows = stack.status(settings)
     table = Table(title=f"sluicegate stack: {overall}")
     for column in ("part", "pid", "process", "health", "restarts", "url"):
@@ -131,7 +122,7 @@ def down() -> None:
     """Stop the embedded stack and every process it started."""
     from sluicegate import stack
 
-    settings = _settings()
+    settings = load_settings()
     with console.status("stopping..."):
         killed = stack.down(settings)
     if killed:
@@ -148,7 +139,7 @@ def demo(
     from sluicegate import demo as demo_run
 
     try:
-        ok = demo_run.run(_settings(), console, keep_running=keep_running, timeout=timeout)
+        ok = demo_run.run(load_settings(), console, keep_running=keep_running, timeout=timeout)
     except SluicegateError as exc:
         raise _fail(exc) from exc
     if not ok:
@@ -165,7 +156,7 @@ def config(
     if markdown:
         typer.echo(settings_markdown())
         return
-    console.print_json(_settings().model_dump_json())
+    console.print_json(load_settings().model_dump_json())
 
 
 @app.command("stack-supervise", hidden=True)
@@ -174,7 +165,7 @@ def stack_supervise() -> None:
     from sluicegate import stack
 
     _configure_logging()
-    raise typer.Exit(stack.supervise(_settings()))
+    raise typer.Exit(stack.supervise(load_settings()))
 
 
 @app.command()
@@ -184,7 +175,7 @@ def bridge() -> None:
 
     _configure_logging()
     try:
-        service.serve(_settings())
+        service.serve(load_settings())
     except SluicegateError as exc:
         raise _fail(exc) from exc
 
@@ -195,7 +186,7 @@ def runner() -> None:
     from flows import deployments
 
     _configure_logging()
-    deployments.serve(_settings())
+    deployments.serve(load_settings())
 
 
 @contextlib.contextmanager
@@ -203,7 +194,7 @@ def _store() -> Iterator[MetadataStore]:
     """The configured metadata store for one command; its errors become a clean exit."""
     from sluicegate.metadata import MetadataStore
 
-    store = MetadataStore(_settings().metadata_url)
+    store = MetadataStore(load_settings().metadata_url)
     try:
         yield store
     except SluicegateError as exc:
@@ -245,7 +236,7 @@ def storage_provision() -> None:
     from sluicegate import storage
 
     try:
-        urls = storage.provision(_settings())
+        urls = storage.provision(load_settings())
     except SluicegateError as exc:
         raise _fail(exc) from exc
     for name, url in urls.items():

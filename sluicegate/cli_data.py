@@ -8,10 +8,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
-from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
+from sluicegate.cli_common import console, load_settings
 from sluicegate.errors import SluicegateError
 from sluicegate.settings import Settings
 
@@ -21,15 +21,6 @@ if TYPE_CHECKING:
 
 dataset_app = typer.Typer(no_args_is_help=True, help="Dataset versions: make, push, pull, list.")
 check_app = typer.Typer(no_args_is_help=True, help="Run a gate on a folder or s3:// prefix, outside any flow.")
-console = Console()
-
-
-def _settings() -> Settings:
-    try:
-        return Settings()
-    except Exception as exc:
-        console.print(f"[red]invalid settings:[/red] {exc}")
-        raise typer.Exit(2) from exc
 
 
 def _progress(label: str) -> Progress:
@@ -78,7 +69,7 @@ def push(
     """Upload a dataset version: every file in parallel, the manifest last; prints the data version."""
     from tasks.transfer import push_directory
 
-    settings = _settings()
+    settings = load_settings()
     label = version or time.strftime("%Y-%m-%dT%H%M%SZ", time.gmtime())
     files = sum(1 for path in directory.rglob("*") if path.is_file())
     try:
@@ -101,7 +92,7 @@ def pull(
     """Download a dataset version (its manifest and every file it lists)."""
     from tasks.transfer import pull_version
 
-    settings = _settings()
+    settings = load_settings()
     try:
         with _progress("downloading") as bar:
             task = bar.add_task("download", total=None)
@@ -117,7 +108,7 @@ def ls(name: Annotated[str | None, typer.Argument(help="Only this dataset.")] = 
     """List dataset versions in the bucket."""
     from tasks.transfer import list_versions
 
-    versions = list_versions(_settings(), name)
+    versions = list_versions(load_settings(), name)
     table = Table(title="dataset versions")
     for column in ("dataset", "version", "manifest written", "manifest bytes"):
         table.add_column(column)
@@ -183,7 +174,7 @@ def check_data(
     from tasks.datasets import manifest_paths
     from tasks.image_stats import collect_stats
 
-    settings = _settings()
+    settings = load_settings()
     try:
         source = _source(settings, location)
         manifest = source.manifest()
@@ -219,12 +210,12 @@ def check_features(
     from serving.preprocessing import PreprocessSpec
     from tasks.champion import champion_preprocessing
     from tasks.datasets import manifest_paths
-    from tasks.feature_gate import feature_gate, sample_indices
+    from tasks.feature_gate import feature_gate, sample_indices, spec_from_settings
     from tasks.image_stats import load_images
 
-    settings = _settings()
+    settings = load_settings()
     p = settings.preprocessing
-    candidate = PreprocessSpec(height=p.height, width=p.width, colour=p.colour, mean=p.mean, std=p.std)
+    candidate = spec_from_settings(p)
     try:
         reference = None
         if against is not None:

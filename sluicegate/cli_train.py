@@ -8,14 +8,11 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from sluicegate import ids
+from sluicegate.cli_common import console, load_settings
 from sluicegate.errors import SluicegateError
-from sluicegate.settings import Settings
-
-console = Console()
 
 
 def train_command(
@@ -23,18 +20,18 @@ def train_command(
     out: Annotated[Path, typer.Option(help="Model repository to write <model>/<version>/ into.")],
 ) -> None:
     """Train, gate and convert a model from a dataset; write the model repository version."""
-    from serving.preprocessing import PreprocessSpec
     from sluicegate.cli_data import _source, print_verdict
     from tasks.conversion import build_tensorrt_engine, export_onnx, parity
     from tasks.datasets import manifest_paths
+    from tasks.feature_gate import spec_from_settings
     from tasks.image_stats import channel_baseline, collect_stats
     from tasks.model_repository import ModelConfig, write_version
     from tasks.train_gate import train_gate
     from tasks.training import load_split, save_checkpoint, train
 
-    settings = _settings()
+    settings = load_settings()
     p = settings.preprocessing
-    spec = PreprocessSpec(height=p.height, width=p.width, colour=p.colour, mean=p.mean, std=p.std)
+    spec = spec_from_settings(p)
     try:
         source = _source(settings, location)
         manifest = source.manifest()
@@ -129,11 +126,3 @@ def train_command(
         console.print(f"[red]error:[/red] {exc}")
         raise typer.Exit(1) from exc
     console.print(f"best val accuracy {result.best_val_accuracy:.3f} (epoch {result.best_epoch}); wrote {written}")
-
-
-def _settings() -> Settings:
-    try:
-        return Settings()
-    except Exception as exc:
-        console.print(f"[red]invalid settings:[/red] {exc}")
-        raise typer.Exit(2) from exc

@@ -20,6 +20,7 @@ import numpy as np
 import numpy.typing as npt
 
 from serving.preprocessing import PreprocessSpec, preprocess
+from sluicegate.settings import PreprocessingSettings
 from tasks.verdicts import Check, GateVerdict
 
 GATE = "feature"
@@ -158,3 +159,8 @@ def _shape_failure(champion: tuple[int, ...], candidate: tuple[int, ...], metric
         detail=f"champion features are {champion}, candidate features are {candidate} (C, H, W)",
     )
     return GateVerdict(GATE, (check,), metrics)
+
+
+def spec_from_settings(p: PreprocessingSettings) -> PreprocessSpec:
+    """The candidate's preprocessing, as configured (``SLUICEGATE_PREPROCESSING__*``)."""
+    return PreprocessSpec(height=p.height, width=p.width, colour=p.colour, mean=p.mean, std=p.std)
