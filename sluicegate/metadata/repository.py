@@ -16,6 +16,7 @@ from sqlalchemy import select
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
+from sluicegate.errors import ConfigError
 from sluicegate.metadata.models import (
     DECISIONS,
     DEPLOYMENT_STATUSES,
@@ -659,7 +660,10 @@ def _insert_ignore(session: Session, model: type[Base], values: Mapping[str, Any
         lite = sqlite.insert(model).values(**values).on_conflict_do_nothing(index_elements=conflict)
         stmt = lite.returning(lite.table.c.id)
     else:
-        raise NotImplementedError(f"the metadata store supports postgresql and sqlite, not {dialect}")
+        raise ConfigError(
+            f"the metadata store supports postgresql and sqlite, not {dialect}; "
+            "set SLUICEGATE_METADATA__URL to a postgresql+psycopg:// or sqlite:/// URL"
+        )
     return session.execute(stmt).first() is not None
 
 
