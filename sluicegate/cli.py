@@ -11,10 +11,9 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 from rich.table import Table
 
-from sluicegate.cli_common import console, load_settings
+from sluicegate.cli_common import cli_errors, console, load_settings
 from sluicegate.cli_data import check_app, dataset_app
 from sluicegate.cli_train import train_command
-from sluicegate.errors import SluicegateError
 from sluicegate.settings import Settings
 
 if TYPE_CHECKING:
@@ -36,11 +35,6 @@ def _configure_logging(level: int = logging.INFO) -> None:
     logging.getLogger("httpx").setLevel(logging.WARNING)
 
 
-def _fail(exc: Exception) -> typer.Exit:
-    console.print(f"[red]error:[/red] {exc}")
-    return typer.Exit(1)
-
-
 @app.command()
 def up() -> None:
     """Start the embedded stack (a no-op when it is already running) and print its URLs."""
@@ -55,11 +49,8 @@ def up() -> None:
                 seen.add(name)
                 console.print(f"  [green]ready[/green] {name:8} {part.url}")
 
-    try:
-        with console.status("starting the embedded stack..."):
-            state, started = stack.up(settings, progress)
-    except SluicegateError as exc:
-        raise _fail(exc) from exc
+    with cli_errors(), console.status("starting the embedded stack..."):
+        state, started = stack.up(settings, progress)
     if not started:
         console.print("the stack is already running")
     _print_urls(settings, state)
@@ -138,10 +129,8 @@ def demo(
     """Bring up the stack, push a small dataset, watch the triggered pipeline run and its lineage."""
     from sluicegate import demo as demo_run
 
-    try:
+    with cli_errors():
         ok = demo_run.run(load_settings(), console, keep_running=keep_running, timeout=timeout)
-    except SluicegateError as exc:
-        raise _fail(exc) from exc
     if not ok:
         raise typer.Exit(1)
 
@@ -174,10 +163,8 @@ def bridge() -> None:
     from flows.events import service
 
     _configure_logging()
-    try:
+    with cli_errors():
         service.serve(load_settings())
-    except SluicegateError as exc:
-        raise _fail(exc) from exc
 
 
 @app.command()
@@ -196,9 +183,8 @@ def _store() -> Iterator[MetadataStore]:
 
     store = MetadataStore(load_settings().metadata_url)
     try:
-        yield store
-    except SluicegateError as exc:
-        raise _fail(exc) from exc
+        with cli_errors():
+            yield store
     finally:
         store.dispose()
 
@@ -235,10 +221,8 @@ def storage_provision() -> None:
     """Create the bucket (versioned), the event queues and the bucket notification (idempotent)."""
     from sluicegate import storage
 
-    try:
+    with cli_errors():
         urls = storage.provision(load_settings())
-    except SluicegateError as exc:
-        raise _fail(exc) from exc
     for name, url in urls.items():
         console.print(f"{name}: {url}")
 

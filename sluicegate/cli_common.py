@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import typer
 from rich.console import Console
 
+from sluicegate.errors import SluicegateError
 from sluicegate.settings import Settings
 
 console = Console()
@@ -17,3 +21,14 @@ def load_settings() -> Settings:
     except Exception as exc:
         console.print(f"[red]invalid settings:[/red] {exc}")
         raise typer.Exit(2) from exc
+
+
+@contextlib.contextmanager
+def cli_errors(*also: type[Exception]) -> Iterator[None]:
+    """Our errors (and ``also``) end the command with their message and exit code 1, not a traceback."""
+    caught: tuple[type[Exception], ...] = (SluicegateError, *also)
+    try:
+        yield
+    except caught as exc:
+        console.print(f"[red]error:[/red] {exc}")
+        raise typer.Exit(1) from exc

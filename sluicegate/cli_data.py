@@ -11,8 +11,7 @@ import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
-from sluicegate.cli_common import console, load_settings
-from sluicegate.errors import SluicegateError
+from sluicegate.cli_common import cli_errors, console, load_settings
 from sluicegate.settings import Settings
 
 if TYPE_CHECKING:
@@ -45,15 +44,9 @@ def make_sample(
         raise typer.BadParameter(
             f"{corrupt!r} is not a corruption; choose one of: {allowed}", param_hint="--corrupt"
         ) from exc
-    try:
-        with _progress("rendering") as bar:
-            task = bar.add_task("render", total=count)
-            summary = render(
-                directory, count=count, seed=seed, corrupt=corruption, on_image=lambda _: bar.advance(task)
-            )
-    except SluicegateError as exc:
-        console.print(f"[red]error:[/red] {exc}")
-        raise typer.Exit(1) from exc
+    with cli_errors(), _progress("rendering") as bar:
+        task = bar.add_task("render", total=count)
+        summary = render(directory, count=count, seed=seed, corrupt=corruption, on_image=lambda _: bar.advance(task))
     console.print(
         f"wrote {summary.count} images to {directory} — labels {summary.labels}, splits {summary.splits}"
         + (f", corruption {corruption.value}" if corruption else "")
@@ -72,13 +65,9 @@ def push(
     settings = load_settings()
     label = version or time.strftime("%Y-%m-%dT%H%M%SZ", time.gmtime())
     files = sum(1 for path in directory.rglob("*") if path.is_file())
-    try:
-        with _progress("uploading") as bar:
-            task = bar.add_task("upload", total=files)
-            pushed = push_directory(settings, directory, name, label, on_file=lambda _: bar.advance(task))
-    except SluicegateError as exc:
-        console.print(f"[red]error:[/red] {exc}")
-        raise typer.Exit(1) from exc
+    with cli_errors(), _progress("uploading") as bar:
+        task = bar.add_task("upload", total=files)
+        pushed = push_directory(settings, directory, name, label, on_file=lambda _: bar.advance(task))
     console.print(f"s3://{pushed.bucket}/{pushed.manifest_key}")
     console.print(f"data version {pushed.data_version}")
 
@@ -93,13 +82,9 @@ def pull(
     from tasks.transfer import pull_version
 
     settings = load_settings()
-    try:
-        with _progress("downloading") as bar:
-            task = bar.add_task("download", total=None)
-            pulled = pull_version(settings, name, version, directory, on_file=lambda _: bar.advance(task))
-    except SluicegateError as exc:
-        console.print(f"[red]error:[/red] {exc}")
-        raise typer.Exit(1) from exc
+    with cli_errors(), _progress("downloading") as bar:
+        task = bar.add_task("download", total=None)
+        pulled = pull_version(settings, name, version, directory, on_file=lambda _: bar.advance(task))
     console.print(f"{pulled.files} files in {directory}; data version {pulled.data_version}")
 
 
@@ -175,7 +160,7 @@ def check_data(
     from tasks.image_stats import collect_stats
 
     settings = load_settings()
-    try:
+    with cli_errors():
         source = _source(settings, location)
         manifest = source.manifest()
         paths = manifest_paths(manifest)
@@ -188,9 +173,6 @@ def check_data(
         reference = champion_labels(settings.mlflow.url, found) if found else None
         with console.status("validating with Great Expectations..."):
             verdict, validation = run_data_gate(manifest, stats, reference, settings.data_gate)
-    except SluicegateError as exc:
-        console.print(f"[red]error:[/red] {exc}")
-        raise typer.Exit(1) from exc
     print_verdict(verdict)
     if report is not None:
         report.write_text(
@@ -216,7 +198,7 @@ def check_features(
     settings = load_settings()
     p = settings.preprocessing
     candidate = spec_from_settings(p)
-    try:
+    with cli_errors(ValueError, OSError):
         reference = None
         if against is not None:
             reference = PreprocessSpec.from_dict(json.loads(against.read_text()))
@@ -237,9 +219,6 @@ def check_features(
             percentile=settings.feature_gate.percentile,
             min_cosine=settings.feature_gate.min_cosine,
         )
-    except (SluicegateError, ValueError, OSError) as exc:
-        console.print(f"[red]error:[/red] {exc}")
-        raise typer.Exit(1) from exc
     print_verdict(verdict)
     if not verdict.passed:
         raise typer.Exit(1)

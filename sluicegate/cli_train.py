@@ -11,8 +11,7 @@ import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from sluicegate import ids
-from sluicegate.cli_common import console, load_settings
-from sluicegate.errors import SluicegateError
+from sluicegate.cli_common import cli_errors, console, load_settings
 
 
 def train_command(
@@ -32,7 +31,7 @@ def train_command(
     settings = load_settings()
     p = settings.preprocessing
     spec = spec_from_settings(p)
-    try:
+    with cli_errors():
         source = _source(settings, location)
         manifest = source.manifest()
         concurrency = settings.data_gate.read_concurrency
@@ -122,7 +121,4 @@ def train_command(
                 lineage=tags,
             )
             written = write_version(out, config, files)
-    except SluicegateError as exc:
-        console.print(f"[red]error:[/red] {exc}")
-        raise typer.Exit(1) from exc
     console.print(f"best val accuracy {result.best_val_accuracy:.3f} (epoch {result.best_epoch}); wrote {written}")

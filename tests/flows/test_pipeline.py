@@ -9,6 +9,7 @@ import pytest
 from sqlalchemy import select
 
 from flows.pipeline import pipeline
+from serving.preprocessing import PreprocessSpec
 from sluicegate.metadata import MetadataStore
 from sluicegate.metadata.models import DatasetVersion, PipelineRun
 from sluicegate.settings import Settings
@@ -187,15 +188,7 @@ def test_a_champion_with_other_preprocessing_fails_the_feature_gate(platform: Se
     client = lineage.client(platform.mlflow.url)
     run = client.create_run(lineage.experiment_id(client, platform.mlflow.experiment))
     client.create_registered_model(platform.model.name)
-    bgr = {
-        "height": 32,
-        "width": 32,
-        "colour": "BGR",
-        "mean": [0.485, 0.456, 0.406],
-        "std": [0.229, 0.224, 0.225],
-        "interpolation": "bilinear",
-        "version": "1",
-    }
+    bgr = PreprocessSpec(height=32, width=32, colour="BGR").to_dict()
     client.log_dict(run.info.run_id, bgr, champion.PREPROCESSING_ARTIFACT)
     version = client.create_model_version(
         platform.model.name, source=f"{run.info.artifact_uri}/model", run_id=run.info.run_id

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from typer.testing import CliRunner
 
+from serving.preprocessing import PreprocessSpec
 from sluicegate.cli import app
 from sluicegate.settings import Settings
 from tests.fixtures.platform import settings_env
@@ -45,15 +46,7 @@ def test_check_features_against_a_spec_file(tmp_path: Path) -> None:
     run(["dataset", "make-sample", str(tmp_path / "d"), "--count", "40"])
     first = run(["check", "features", str(tmp_path / "d")])
     assert first.exit_code == 0 and "first model" in first.output
-    spec = {
-        "height": 32,
-        "width": 32,
-        "colour": "BGR",
-        "mean": [0.485, 0.456, 0.406],
-        "std": [0.229, 0.224, 0.225],
-        "interpolation": "bilinear",
-        "version": "1",
-    }
+    spec = PreprocessSpec(height=32, width=32, colour="BGR").to_dict()
     (tmp_path / "bgr.json").write_text(json.dumps(spec))
     changed = run(["check", "features", str(tmp_path / "d"), "--against", str(tmp_path / "bgr.json")])
     assert changed.exit_code == 1 and "cosine p5" in changed.output

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from serving.preprocessing import PreprocessSpec
 from sluicegate.settings import Settings
 from tasks import champion, lineage
 
@@ -18,15 +19,7 @@ def test_champion_labels_and_preprocessing_come_from_its_run(platform: Settings)
         f"images/{i}.png,{'good' if i % 4 else 'bridge'},{'train' if i % 5 else 'test'}\n" for i in range(100)
     )
     client.log_text(run.info.run_id, manifest, champion.MANIFEST_ARTIFACT)
-    spec = {
-        "height": 32,
-        "width": 32,
-        "colour": "RGB",
-        "mean": [0.5, 0.5, 0.5],
-        "std": [0.2, 0.2, 0.2],
-        "interpolation": "bilinear",
-        "version": "1",
-    }
+    spec = PreprocessSpec(height=32, width=32, mean=(0.5, 0.5, 0.5), std=(0.2, 0.2, 0.2)).to_dict()
     client.log_dict(run.info.run_id, spec, champion.PREPROCESSING_ARTIFACT)
     name = f"model-{platform.storage.bucket}"
     client.create_registered_model(name)

@@ -249,8 +249,6 @@ def test_tensorrt_engine_builds_caches_and_matches(model: TinyNet, tmp_path: Pat
 def test_export_moves_a_cuda_model_back_to_cuda(tmp_path: Path) -> None:
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU (torch.cuda.is_available() is False)")
-    if importlib.util.find_spec("onnxscript") is None:
-        pytest.skip("the dynamo exporter needs onnxscript, not installed on this GPU machine")
     model = trained_tiny_net(seed=5).cuda()
     path = tmp_path / "model.onnx"
     export_onnx(model, images(2), path)
