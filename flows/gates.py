@@ -89,15 +89,22 @@ def _publish(
     dataset: ResolvedDataset,
     verdict: GateVerdict,
     evidence: dict[str, Any] | None = None,
+    markdown: str | None = None,
 ) -> str:
-    """Write the verdict to MLflow, Prefect and the metadata store; returns the report's location."""
+    """Write the verdict to MLflow, Prefect and the metadata store; returns the report's location.
+
+    ``markdown`` replaces the standard check table as the report (a gate with more to show).
+    """
     from sluicegate.metadata import repository as repo
 
-    context = f"dataset `{dataset.name}` data version `{dataset.data7}`"
-    markdown = reports.verdict_markdown(verdict, context=context)
+    if markdown is None:
+        markdown = reports.verdict_markdown(verdict, context=dataset_context(dataset))
     report_uri = lineage.log_gate(settings.mlflow.url, mlflow_run_id, verdict, markdown, evidence)
-    key = re.sub(r"[^a-z0-9-]+", "-", f"{verdict.gate}-gate-{dataset.name}".lower()).strip("-")
-    create_markdown_artifact(key=key, markdown=markdown, description=f"{verdict.gate} gate: {verdict.reason()}")
+    create_markdown_artifact(
+        key=artifact_key(f"{verdict.gate}-gate", dataset),
+        markdown=markdown,
+        description=f"{verdict.gate} gate: {verdict.reason()}",
+    )
     with store.session() as session:
         repo.record_gate_result(
             session,
@@ -108,6 +115,15 @@ def _publish(
             report_uri=report_uri,
         )
     return report_uri
+
+
+def dataset_context(dataset: ResolvedDataset) -> str:
+    return f"dataset `{dataset.name}` data version `{dataset.data7}`"
+
+
+def artifact_key(prefix: str, dataset: ResolvedDataset) -> str:
+    """A Prefect artifact key (lower-case letters, digits, dashes) for one dataset's report."""
+    return re.sub(r"[^a-z0-9-]+", "-", f"{prefix}-{dataset.name}".lower()).strip("-")
 
 
 def enforce(verdict: GateVerdict) -> None:

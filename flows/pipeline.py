@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from uuid import UUID
 
@@ -19,12 +20,13 @@ from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 from prefect.runtime import flow_run
 
+from flows import evaluate as eval_flow
 from flows import gates
 from flows import train as train_flow
 from flows.wrappers import stage
 from sluicegate import ids
 from sluicegate.settings import Settings
-from tasks import datasets, lineage, reports
+from tasks import datasets, lineage, registry, reports
 from tasks.champion import PREPROCESSING_ARTIFACT
 
 if TYPE_CHECKING:
@@ -39,6 +41,8 @@ class PipelineResult:
     mlflow_run_id: str
     status: str
     model_version: str = ""
+    registry_version: str = ""
+    challenger: bool = False  # the eval gate passed and the candidate holds the challenger alias
 
 
 def _resolve(
@@ -115,6 +119,7 @@ record_mlflow = stage(_record_mlflow, "record-mlflow-run")
 end_tracking = stage(lineage.end_run, "mlflow-end-run")
 record_finish = stage(_finish, "record-run-finish")
 log_json = stage(lineage.log_json, "mlflow-log")
+registry_version = stage(registry.get_version, "registry-version")
 
 
 def _artifact_key(dataset: str) -> str:
@@ -278,8 +283,41 @@ def pipeline(
             ("model version", "registered", f"{packaged['model_version']} (registry v{packaged['registry_version']})")
         )
 
+        from tasks.training import labelled_rows
+
+        candidate = registry_version(settings.mlflow.url, settings.model.name, packaged["registry_version"])
+        evaluated = eval_flow.evaluate_candidate(settings, dataset, manifest, Path(packaged["repository"]))
+        eval_flow.publish_evaluation(
+            settings,
+            store,
+            run_id=run_id,
+            mlflow_run_id=mlflow_run_id,
+            dataset=dataset,
+            evaluated=evaluated,
+            candidate=candidate,
+            train_images=len(labelled_rows(manifest, "train")),
+        )
+        passed = evaluated.verdict.passed
+        stages.append(
+            (
+                "eval gate",
+                "passed" if passed else "FAILED",
+                eval_flow.stage_result(evaluated.verdict, evaluated.evaluations),
+            )
+        )
+        gates.enforce(evaluated.verdict)
+        eval_flow.promote_challenger(settings, store, run_id=run_id, candidate=candidate, verdict=evaluated.verdict)
+        stages.append(("challenger", "alias set", f"{settings.model.name}@challenger = {candidate.model_version}"))
+
         result = PipelineResult(
-            run_id, dataset.name, dataset.data_version, mlflow_run_id, "succeeded", packaged["model_version"]
+            run_id,
+            dataset.name,
+            dataset.data_version,
+            mlflow_run_id,
+            "succeeded",
+            packaged["model_version"],
+            packaged["registry_version"],
+            challenger=True,
         )
         end_tracking(settings.mlflow.url, mlflow_run_id, succeeded=True, summary=asdict(result))
         record_finish(store, run_id, "succeeded", None)

@@ -21,7 +21,7 @@ from tasks.transfer import push_directory
 
 
 def run(
-    settings: Settings, console: Console, *, keep_running: bool, timeout: float = 300, sample_count: int = 400
+    settings: Settings, console: Console, *, keep_running: bool, timeout: float = 300, sample_count: int = 1500
 ) -> bool:
     """Returns True when the triggered pipeline run completed."""
     console.rule("[bold]1. the embedded stack")

@@ -37,3 +37,7 @@ class StackError(SluicegateError):
 
 class GateFailed(SluicegateError):
     """A gate's verdict was negative; the message names each failed check and its observed value."""
+
+
+class RegistryError(SluicegateError):
+    """A model version or alias cannot be found or moved; the message names it and the fix."""

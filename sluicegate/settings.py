@@ -230,10 +230,41 @@ class ConversionSettings(Group):
     engine_cache: Path | None = Field(None, description="Folder of cached engines; unset: <home>/engines.")
 
 
+class EvalGateSettings(Group):
+    """Gate 5: the candidate against the champion on the test split, through the serving runtime."""
+
+    min_accuracy_gain: float = Field(
+        0.005, ge=0, le=1, description="Accuracy must reach the champion's plus this (0.005 = 0.5 points)."
+    )
+    max_latency_ratio: float = Field(
+        1.1, gt=0, description="p95 latency at each batch size at most the champion's times this."
+    )
+    latency_retries: int = Field(
+        1, ge=0, description="Re-measure latency this many times when only the latency rule trips (noise)."
+    )
+    first_model_min_accuracy: float = Field(
+        0.8, ge=0, le=1, description="Absolute accuracy floor when there is no champion yet."
+    )
+    max_p95_ms: float | None = Field(
+        None, gt=0, description="Absolute p95 latency ceiling (ms) at every batch size; unset: none."
+    )
+    batch_sizes: tuple[int, ...] = Field((1, 8), min_length=1, description="Batch sizes latency is measured at.")
+    latency_iterations: int = Field(300, ge=20, description="Timed calls per model and batch size.")
+    warmup_iterations: int = Field(20, ge=0, description="Untimed calls before measuring.")
+    threads: int = Field(1, ge=0, description="ONNX Runtime intra-op threads (1 = one serving core; 0 = all).")
+    calibration_bins: int = Field(15, ge=2, description="Equal-width confidence bins of the calibration error.")
+    max_images: int = Field(5000, ge=1, description="Most test images evaluated (a fixed, seeded subset beyond).")
+
+
 class ModelSettings(Group):
     """The model the pipeline produces."""
 
     name: str = Field("pcb-classifier", description="Registered model name in MLflow (aliases live on it).")
+    intended_use: str = Field(
+        "Classifying solder-joint crops of printed circuit boards from automated optical inspection into the "
+        "dataset's defect classes, as a screening aid whose rejects a person reviews.",
+        description="The model card's intended-use statement.",
+    )
     semver: str = Field("1.0.0", description="MAJOR.MINOR.PATCH of produced model versions (vX.Y.Z-<commit7>-<data7>).")
     repository: Path | None = Field(
         None, description="Local model repository (serving layout) the pipeline writes to; unset: <home>/repository."
@@ -271,6 +302,7 @@ class Settings(BaseSettings):
     training: TrainingSettings = Field(default_factory=TrainingSettings)
     train_gate: TrainGateSettings = Field(default_factory=TrainGateSettings)
     conversion: ConversionSettings = Field(default_factory=ConversionSettings)
+    eval_gate: EvalGateSettings = Field(default_factory=EvalGateSettings)
 
     @field_validator("home")
     @classmethod

@@ -10,8 +10,8 @@ from pathlib import Path
 
 from tasks import lineage
 from tasks.data_gate import LabelReference, read_manifest_frame
+from tasks.registry import CHAMPION, alias_holder
 
-CHAMPION = "champion"
 PREPROCESSING_ARTIFACT = "preprocessing.json"
 MANIFEST_ARTIFACT = "dataset/manifest.csv"
 
@@ -29,17 +29,10 @@ class Champion:
 
 def find_champion(tracking_uri: str, model_name: str) -> Champion | None:
     """The registered model version holding the ``champion`` alias, or None (no model yet)."""
-    from mlflow.exceptions import MlflowException
-
-    client = lineage.client(tracking_uri)
-    try:
-        version = client.get_model_version_by_alias(model_name, CHAMPION)
-    except MlflowException as exc:
-        if exc.error_code in ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE"):
-            return None
-        raise
-    tags = version.tags or {}
-    return Champion(model_name, str(version.version), str(version.run_id), tags.get("sluicegate.model_version", ""))
+    found = alias_holder(tracking_uri, model_name, CHAMPION)
+    if found is None:
+        return None
+    return Champion(model_name, found.registry_version, found.run_id, found.model_version)
 
 
 def _artifact(tracking_uri: str, run_id: str, path: str) -> bytes | None:

@@ -101,7 +101,7 @@ def load_split(
         DatasetError: the manifest cannot be read, the split has no usable rows, or a row's label is not
             in ``labels`` (a model cannot be scored on a class it does not have).
     """
-    rows = _labelled_rows(manifest, split)
+    rows = labelled_rows(manifest, split)
     if not rows:
         raise DatasetError(f"manifest.csv has no rows with split {split!r} and a label; nothing to load")
     names = tuple(sorted({label for _, label in rows})) if labels is None else tuple(labels)
@@ -117,7 +117,7 @@ def load_split(
     targets: list[int] = []
     pending: list[npt.NDArray[np.uint8]] = []
     skipped = 0
-    for path, outcome in map_objects(source, [path for path, _ in rows], _decode_or_none, concurrency):
+    for path, outcome in map_objects(source, [path for path, _ in rows], decode_or_none, concurrency):
         if not isinstance(outcome, np.ndarray):
             skipped += 1
             continue
@@ -135,7 +135,8 @@ def load_split(
     return np.concatenate(chunks), np.asarray(targets, dtype=np.int64), names
 
 
-def _labelled_rows(manifest: bytes, split: str) -> list[tuple[str, str]]:
+def labelled_rows(manifest: bytes, split: str) -> list[tuple[str, str]]:
+    """(path, label) of the manifest rows of ``split`` that have a label."""
     try:
         text = manifest.decode("utf-8-sig")
     except UnicodeDecodeError as exc:
@@ -151,7 +152,8 @@ def _labelled_rows(manifest: bytes, split: str) -> list[tuple[str, str]]:
     return rows
 
 
-def _decode_or_none(_: str, data: bytes) -> npt.NDArray[np.uint8] | None:
+def decode_or_none(_: str, data: bytes) -> npt.NDArray[np.uint8] | None:
+    """RGB uint8 pixels, or None for bytes that are not a decodable image (the data gate reports those)."""
     try:
         return decode_rgb(data)
     except (OSError, ValueError, SyntaxError):

@@ -1,6 +1,7 @@
 """The metadata (lineage) store: models, the store with its migrations, and repository functions."""
 
 from sluicegate.metadata.models import (
+    AliasChange,
     Base,
     Dataset,
     DatasetVersion,
@@ -15,6 +16,7 @@ from sluicegate.metadata.models import (
 from sluicegate.metadata.store import MetadataStore
 
 __all__ = [
+    "AliasChange",
     "Base",
     "Dataset",
     "DatasetVersion",

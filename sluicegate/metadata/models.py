@@ -198,6 +198,24 @@ class RolloutStep(Base):
     deployment: Mapped[Deployment] = relationship(back_populates="steps")
 
 
+class AliasChange(Base):
+    """One move of a registry alias (``champion``, ``challenger``): who moved it, from what, to what, why."""
+
+    __tablename__ = "alias_changes"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    model_name: Mapped[str] = mapped_column(String(255))
+    alias: Mapped[str] = mapped_column(String(64))
+    registry_version: Mapped[str | None] = mapped_column(String(64))  # None: the alias was removed
+    model_version: Mapped[str | None] = mapped_column(String(128))
+    previous_registry_version: Mapped[str | None] = mapped_column(String(64))
+    previous_model_version: Mapped[str | None] = mapped_column(String(128))
+    actor: Mapped[str] = mapped_column(String(255))
+    reason: Mapped[str] = mapped_column(Text)
+    pipeline_run_id: Mapped[int | None] = mapped_column(ForeignKey("pipeline_runs.id"))
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow, index=True)
+
+
 class S3Event(Base):
     __tablename__ = "s3_events"
 

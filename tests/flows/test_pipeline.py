@@ -70,7 +70,7 @@ def test_a_passing_run_registers_a_traceable_model_version(pg_platform: Settings
         }
         registry_version = row.mlflow_model_version
     store.dispose()
-    assert gates == {"data": True, "feature": True, "train": True, "convert": True}
+    assert gates == {"data": True, "feature": True, "train": True, "convert": True, "eval": True}
     config = verify_version(pg_platform.home / "repository" / pg_platform.model.name / version)
     assert config.lineage["sluicegate.data_version"] == result["data_version"]
     client = lineage.client(pg_platform.mlflow.url)
@@ -140,6 +140,7 @@ def test_a_sample_dataset_passes_both_gates_with_reports(platform: Settings, tmp
         "feature": True,
         "train": True,
         "convert": True,
+        "eval": True,
     }
     client = lineage.client(platform.mlflow.url)
     names = {a.path for a in client.list_artifacts(result["mlflow_run_id"], "gates/data")}

@@ -41,6 +41,7 @@ def stack_settings(home: Path, **overrides: Any) -> Settings:
         training={"epochs": 2, "width": 8},
         # Wiring, not model quality: two-epoch runs on random images have no stable final loss.
         train_gate={"final_loss_tolerance": 100.0, "memory_tolerance": 100.0},
+        eval_gate={"first_model_min_accuracy": 0.0, "latency_iterations": 30, "warmup_iterations": 5},
         **overrides,
     )
 

@@ -12,7 +12,10 @@ def test_db_commands_on_postgres(fresh_postgres_url: str, tmp_path: Path) -> Non
     assert behind.exit_code == 1 and "at empty" in behind.output
     assert runner.invoke(app, ["db", "upgrade"], env=env).exit_code == 0
     current = runner.invoke(app, ["db", "current"], env=env)
-    assert current.exit_code == 0 and "expects 0001" in " ".join(current.output.split())
+    assert current.exit_code == 0 and "expects 0002" in " ".join(current.output.split())
+    assert runner.invoke(app, ["db", "downgrade", "0001"], env=env).exit_code == 0
+    older = runner.invoke(app, ["db", "current"], env=env)
+    assert older.exit_code == 1 and "at 0001, code expects 0002" in " ".join(older.output.split())
     assert runner.invoke(app, ["db", "downgrade", "base"], env=env).exit_code == 0
     assert runner.invoke(app, ["db", "current"], env=env).exit_code == 1
 

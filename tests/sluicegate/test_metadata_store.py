@@ -534,8 +534,7 @@ def test_check_schema_on_a_database_newer_than_the_code(store: MetadataStore) ->
 
 
 def test_check_schema_on_an_older_database(store: MetadataStore) -> None:
-    # Only one revision exists so far; stand in for an older one by faking the head.
-    store.head_revision = lambda: "0002"  # type: ignore[method-assign]
+    store.downgrade("0001")
     with pytest.raises(SchemaOutdated, match=r"is at revision 0001, expected 0002; run `sluicegate db upgrade`"):
         store.check_schema()
 

@@ -13,6 +13,7 @@ from sluicegate.metadata import Base, MetadataStore
 from sluicegate.metadata.store import MIGRATIONS_DIR
 
 TABLES = {
+    "alias_changes",
     "datasets",
     "dataset_versions",
     "pipeline_runs",
@@ -46,7 +47,9 @@ def test_upgrade_downgrade_upgrade(store: MetadataStore) -> None:
     assert store.current_revision() is None
     store.upgrade()
     assert tables(store) == TABLES
-    assert store.current_revision() == store.head_revision() == "0001"
+    assert store.current_revision() == store.head_revision() == "0002"
+    store.downgrade("0001")
+    assert tables(store) == TABLES - {"alias_changes"}
     store.downgrade("base")
     assert tables(store) == set()
     assert store.current_revision() is None

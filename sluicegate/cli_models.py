@@ -1,0 +1,227 @@
+"""`sluicegate models`: the registry for operators. List versions, show one (metrics, lineage, aliases),
+move the ``champion`` (or ``challenger``) alias by hand and roll it back, every move recorded with who
+and why."""
+
+from __future__ import annotations
+
+import getpass
+import json
+import os
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING, Annotated, Any
+
+import typer
+from rich.table import Table
+
+from sluicegate.cli_common import cli_errors, console, load_settings
+
+if TYPE_CHECKING:
+    from sluicegate.metadata import MetadataStore
+    from sluicegate.settings import Settings
+
+models_app = typer.Typer(no_args_is_help=True, help="Model registry: versions, metrics, lineage, aliases.")
+
+JsonOption = Annotated[bool, typer.Option("--json", help="Print JSON instead of tables.")]
+ReasonOption = Annotated[str, typer.Option(help="Why (recorded with the alias move).")]
+
+
+def _operator() -> str:
+    try:
+        return getpass.getuser()
+    except (KeyError, OSError):  # a container user without a passwd entry
+        return f"uid:{os.getuid()}"
+
+
+ByOption = Annotated[str | None, typer.Option(help="Who (recorded); default: the login name.")]
+
+
+def _store(settings: Settings) -> MetadataStore:
+    from sluicegate.metadata import MetadataStore
+
+    store = MetadataStore(settings.metadata_url)
+    store.check_schema()
+    return store
+
+
+def _when(ms: int) -> str:
+    return datetime.fromtimestamp(ms / 1000, tz=UTC).strftime("%Y-%m-%d %H:%M:%SZ") if ms else "-"
+
+
+@models_app.command("ls")
+def ls_command(as_json: JsonOption = False) -> None:
+    """Registered versions of the model (settings model.name), newest first, with aliases and gate outcome."""
+    from tasks import registry
+
+    settings = load_settings()
+    with cli_errors():
+        versions = registry.list_versions(settings.mlflow.url, settings.model.name)
+    if as_json:
+        typer.echo(json.dumps([_version_dict(v) for v in versions], indent=2))
+        return
+    if not versions:
+        console.print(f"no registered versions of {settings.model.name!r} at {settings.mlflow.url}")
+        return
+    table = Table(title=f"{settings.model.name} @ {settings.mlflow.url}")
+    for column in ("registry", "model version", "aliases", "eval gate", "accuracy", "data", "created"):
+        table.add_column(column)
+    for v in versions:
+        table.add_row(
+            v.registry_version,
+            v.model_version or "-",
+            ", ".join(v.aliases) or "-",
+            v.tags.get(registry.TAG_EVAL_GATE, "-"),
+            v.tags.get("sluicegate.eval.accuracy", "-"),
+            v.tags.get("sluicegate.data_version", "")[:7] or "-",
+            _when(v.created_ms),
+        )
+    console.print(table)
+
+
+def _version_dict(v: Any) -> dict[str, Any]:
+    return {
+        "registry_version": v.registry_version,
+        "model_version": v.model_version,
+        "aliases": list(v.aliases),
+        "run_id": v.run_id,
+        "source": v.source,
+        "created": _when(v.created_ms),
+        "tags": v.tags,
+    }
+
+
+@models_app.command("show")
+def show_command(
+    version: Annotated[str, typer.Argument(help="Registry version, model version (or prefix), or alias.")],
+    as_json: JsonOption = False,
+) -> None:
+    """One version: evaluation metrics, lineage (data, code, runs, environment) and its alias history."""
+    from sluicegate.metadata.aliases import alias_changes_for_version
+    from sluicegate.metadata.models import ModelVersion
+    from tasks import lineage, registry
+
+    settings = load_settings()
+    with cli_errors():
+        found = registry.resolve(settings.mlflow.url, settings.model.name, version)
+        run = lineage.client(settings.mlflow.url).get_run(found.run_id) if found.run_id else None
+        store = _store(settings)
+        try:
+            with store.session() as session:
+                row = (
+                    session.query(ModelVersion)
+                    .filter_by(model_name=found.name, version=found.model_version)
+                    .one_or_none()
+                )
+                record = None if row is None else {"environment": row.environment, "artifacts": row.artifacts}
+                moves = [
+                    {
+                        "when": m.created_at.isoformat(),
+                        "alias": m.alias,
+                        "to": m.registry_version,
+                        "from": m.previous_registry_version,
+                        "actor": m.actor,
+                        "reason": m.reason,
+                    }
+                    for m in alias_changes_for_version(session, found.name, found.registry_version)
+                ]
+        finally:
+            store.dispose()
+    metrics = {k: v for k, v in (run.data.metrics.items() if run else []) if k.startswith(("eval.", "gate."))}
+    detail = {
+        **_version_dict(found),
+        "metrics": dict(sorted(metrics.items())),
+        "run_tags": {k: v for k, v in (run.data.tags.items() if run else []) if k.startswith("sluicegate.")},
+        "metadata_store": record,
+        "alias_history": moves,
+    }
+    if as_json:
+        typer.echo(json.dumps(detail, indent=2, default=str))
+        return
+    _print_detail(found, detail)
+
+
+def _print_detail(found: Any, detail: dict[str, Any]) -> None:
+    console.print(f"[bold]{found.describe()}[/bold]  aliases: {', '.join(found.aliases) or '-'}")
+    lineage_table = Table(title="lineage", show_header=False)
+    for key in ("sluicegate.data_version", "sluicegate.code_version", "sluicegate.mlflow_run_id"):
+        lineage_table.add_row(key.split(".", 1)[1], found.tags.get(key, "-"))
+    for key in ("sluicegate.dataset", "sluicegate.pipeline_run_id", "sluicegate.prefect_flow_run_id"):
+        lineage_table.add_row(key.split(".", 1)[1], detail["run_tags"].get(key, "-"))
+    lineage_table.add_row("source", found.source)
+    console.print(lineage_table)
+    metrics = Table(title="metrics (MLflow run)")
+    metrics.add_column("metric")
+    metrics.add_column("value", justify="right")
+    for key, value in detail["metrics"].items():
+        metrics.add_row(key, f"{value:.4f}")
+    console.print(metrics)
+    record = detail["metadata_store"]
+    if record:
+        env = record["environment"]
+        console.print(
+            "environment: " + ", ".join(f"{k} {v}" for k, v in sorted(env.items()) if not isinstance(v, dict | list))
+        )
+    moves = Table(title="alias history")
+    for column in ("when", "alias", "from", "to", "actor", "reason"):
+        moves.add_column(column)
+    for move in detail["alias_history"]:
+        moves.add_row(
+            move["when"], move["alias"], move["from"] or "-", move["to"] or "-", move["actor"], move["reason"]
+        )
+    console.print(moves)
+
+
+@models_app.command("promote")
+def promote_command(
+    version: Annotated[str, typer.Argument(help="Registry version, model version (or prefix), or alias.")],
+    reason: ReasonOption,
+    alias: Annotated[str, typer.Option(help="The alias to move.")] = "champion",
+    by: ByOption = None,
+    force: Annotated[bool, typer.Option(help="Promote even a version that failed the eval gate.")] = False,
+) -> None:
+    """Point an alias (default: champion) at a version; the move is recorded with who and why."""
+    from tasks import registry
+
+    settings = load_settings()
+    with cli_errors():
+        target = registry.resolve(settings.mlflow.url, settings.model.name, version)
+        outcome = target.tags.get(registry.TAG_EVAL_GATE)
+        if outcome == "failed" and not force:
+            raise typer.BadParameter(
+                f"{target.describe()} failed the eval gate; promote it anyway with --force", param_hint="VERSION"
+            )
+        _move(settings, target, alias, by, reason)
+
+
+@models_app.command("rollback")
+def rollback_command(
+    reason: ReasonOption,
+    alias: Annotated[str, typer.Option(help="The alias to move back.")] = "champion",
+    by: ByOption = None,
+) -> None:
+    """Move an alias (default: champion) back to the version that held it before (from the recorded moves)."""
+    from tasks import registry
+
+    settings = load_settings()
+    with cli_errors():
+        store = _store(settings)
+        try:
+            target = registry.rollback_target(settings.mlflow.url, store, settings.model.name, alias)
+        finally:
+            store.dispose()
+        _move(settings, target, alias, by, f"rollback: {reason}")
+
+
+def _move(settings: Settings, target: Any, alias: str, by: str | None, reason: str) -> None:
+    from tasks import registry
+
+    by = by or _operator()
+    store = _store(settings)
+    try:
+        change = registry.move_alias(settings.mlflow.url, store, target, alias, actor=by, reason=reason)
+    finally:
+        store.dispose()
+    if change is None:
+        console.print(f"{alias} already points at {target.describe()}: nothing changed")
+        return
+    before = change.previous_model_version or change.previous_registry_version or "(none)"
+    console.print(f"[green]{alias}[/green]: {before} -> {target.describe()}  (by {by}: {reason})")

@@ -1,0 +1,95 @@
+"""`sluicegate models ls|show|promote|rollback` against a real MLflow registry and metadata store."""
+
+from __future__ import annotations
+
+import json
+
+from typer.testing import CliRunner
+
+from sluicegate.cli import app
+from sluicegate.metadata import MetadataStore
+from sluicegate.metadata.aliases import alias_history
+from sluicegate.settings import Settings
+from tasks import lineage, registry
+from tests.fixtures.models import register
+
+runner = CliRunner()
+
+
+def run(*args: str):  # type: ignore[no-untyped-def]
+    return runner.invoke(app, list(args), env={"COLUMNS": "200"})
+
+
+def champion(settings: Settings) -> str | None:
+    found = registry.alias_holder(settings.mlflow.url, settings.model.name, "champion")
+    return None if found is None else found.model_version
+
+
+def test_promote_show_rollback_with_who_and_why(platform: Settings) -> None:
+    first = register(platform, "v1.0.0-aaaaaaa-1111111", seed=1, tags={registry.TAG_EVAL_GATE: "passed"})
+    second = register(platform, "v1.0.1-aaaaaaa-2222222", seed=2, tags={registry.TAG_EVAL_GATE: "passed"})
+    failed = register(platform, "v1.0.2-aaaaaaa-3333333", seed=3, tags={registry.TAG_EVAL_GATE: "failed"})
+
+    assert run("models", "promote", "1", "--reason", "first release", "--by", "alice").exit_code == 0
+    # By model-version prefix, the way an operator copies it from `models ls`.
+    promoted = run("models", "promote", "v1.0.1-aaaa", "--reason", "better on night shift", "--by", "bob")
+    assert promoted.exit_code == 0, promoted.output
+    assert "v1.0.0-aaaaaaa-1111111 -> " in promoted.output and champion(platform) == second.model_version
+
+    refused = run("models", "promote", failed.registry_version, "--reason", "try it")
+    assert refused.exit_code == 2 and "failed the eval gate" in refused.output and "--force" in refused.output
+    assert champion(platform) == second.model_version
+
+    listed = run("models", "ls", "--json")
+    rows = {row["model_version"]: row for row in json.loads(listed.output)}
+    assert rows[second.model_version]["aliases"] == ["champion"] and rows[failed.model_version]["aliases"] == []
+    table = run("models", "ls")
+    assert "champion" in table.output and "failed" in table.output
+
+    rolled = run("models", "rollback", "--reason", "latency regression", "--by", "carol")
+    assert rolled.exit_code == 0, rolled.output
+    assert champion(platform) == first.model_version
+
+    store = MetadataStore(platform.metadata_url)
+    with store.session() as session:
+        moves = [
+            (m.alias, m.previous_model_version, m.model_version, m.actor, m.reason)
+            for m in alias_history(session, platform.model.name)
+        ]
+    store.dispose()
+    assert moves == [
+        ("champion", second.model_version, first.model_version, "carol", "rollback: latency regression"),
+        ("champion", first.model_version, second.model_version, "bob", "better on night shift"),
+        ("champion", None, first.model_version, "alice", "first release"),
+    ]
+
+    shown = run("models", "show", "champion", "--json")
+    detail = json.loads(shown.output)
+    assert detail["model_version"] == first.model_version and detail["aliases"] == ["champion"]
+    assert [m["actor"] for m in detail["alias_history"]] == ["alice", "bob", "carol"]
+    pretty = run("models", "show", first.model_version)
+    assert "alias history" in pretty.output and "latency regression" in pretty.output
+
+    again = run("models", "promote", "champion", "--reason", "no-op")
+    assert again.exit_code == 0 and "nothing changed" in again.output
+    forced = run("models", "promote", failed.model_version, "--reason", "hotfix", "--force")
+    assert forced.exit_code == 0 and champion(platform) == failed.model_version
+    lineage.client(platform.mlflow.url).delete_registered_model(platform.model.name)
+
+
+def test_unknown_versions_and_empty_history_are_explained(platform: Settings) -> None:
+    missing = run("models", "show", "7")
+    assert missing.exit_code == 1 and "has no registered versions" in missing.output
+    register(platform, "v1.0.0-bbbbbbb-1111111", seed=1)
+    unknown = run("models", "promote", "v9", "--reason", "x")
+    assert (
+        unknown.exit_code == 1 and "matches no version" in unknown.output and "v1.0.0-bbbbbbb-1111111" in unknown.output
+    )
+    nothing = run("models", "rollback", "--reason", "x")
+    assert nothing.exit_code == 1 and "has no 'champion'" in nothing.output
+    run("models", "promote", "1", "--reason", "first")
+    first_only = run("models", "rollback", "--reason", "x")
+    assert first_only.exit_code == 1 and "is the first champion" in first_only.output
+    no_reason = run("models", "promote", "1")
+    assert no_reason.exit_code == 2 and "--reason" in no_reason.output
+    lineage.client(platform.mlflow.url).delete_registered_model(platform.model.name)
