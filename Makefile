@@ -8,13 +8,14 @@ STAMP := $(VENV)/.installed
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: help install system-deps lint format test demo bench up down status clean
+.PHONY: help install system-deps lint format generate test demo bench up down status clean
 
 help:
 	@echo "make demo   - bring up the embedded stack and run a dataset through the pipeline"
 	@echo "make test   - lint, then the whole test suite against real services"
 	@echo "make bench  - benchmarks (event latency S3 PUT -> flow-run start)"
 	@echo "make lint   - ruff, mypy, codespell"
+	@echo "make generate - regenerate serving/proto/ gRPC code from its .proto files"
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -33,11 +34,15 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
-	$(BIN)/codespell sluicegate flows tasks tests benchmarks README.md
+	$(BIN)/codespell sluicegate flows tasks serving tests benchmarks docker README.md
 
 format: $(STAMP)
 	$(BIN)/ruff format .
 	$(BIN)/ruff check --fix .
+
+# The generated code is checked in; tests/serving/test_proto.py fails when it drifts from the .proto.
+generate: $(STAMP)
+	PYTHON=$(BIN)/python bash scripts/generate_proto.sh
 
 test: lint system-deps
 	$(BIN)/pytest $(PYTEST_ARGS)

@@ -124,6 +124,23 @@ def down() -> None:
 
 
 @app.command()
+def serve(
+    repo: Annotated[str, typer.Option(help="Model repository: PATH, s3://bucket/prefix or models:/<name>@<alias>.")],
+    grpc_port: Annotated[int | None, typer.Option(help="KServe V2 gRPC port.")] = None,
+    http_port: Annotated[int | None, typer.Option(help="Health, metrics, REST and admin port.")] = None,
+    host: Annotated[str | None, typer.Option(help="Address to bind (default 127.0.0.1).")] = None,
+) -> None:
+    """Serve every model in a repository over KServe V2 gRPC (the same as `python -m serving`)."""
+    from serving.server import main as serve_main
+
+    argv = ["--repo", repo]
+    for flag, value in (("--grpc-port", grpc_port), ("--http-port", http_port), ("--host", host)):
+        if value is not None:
+            argv += [flag, str(value)]
+    serve_main(argv)
+
+
+@app.command()
 def demo(
     keep_running: Annotated[bool, typer.Option(help="Leave the stack up at the end.")] = False,
     timeout: Annotated[float, typer.Option(help="Seconds to wait for the triggered flow run.")] = 300,

@@ -8,6 +8,7 @@ from collections.abc import Iterator
 import typer
 from rich.console import Console
 
+from serving.errors import ServingError
 from sluicegate.errors import SluicegateError
 from sluicegate.settings import Settings
 
@@ -25,8 +26,12 @@ def load_settings() -> Settings:
 
 @contextlib.contextmanager
 def cli_errors(*also: type[Exception]) -> Iterator[None]:
-    """Our errors (and ``also``) end the command with their message and exit code 1, not a traceback."""
-    caught: tuple[type[Exception], ...] = (SluicegateError, *also)
+    """Our errors (and ``also``) end the command with their message and exit code 1, not a traceback.
+
+    ``ServingError`` counts as ours: the model repository format lives in ``serving/`` (the server may not
+    import the pipeline), so a damaged version reaches commands as a ``serving.errors.RepositoryError``.
+    """
+    caught: tuple[type[Exception], ...] = (SluicegateError, ServingError, *also)
     try:
         yield
     except caught as exc:

@@ -1,0 +1,345 @@
+"""The protocol-agnostic core of the server: which model versions are loaded, routing by traffic weights,
+input validation against each version's config, inference through the version's batcher, and load /
+unload while serving. The gRPC servicer and the HTTP side port only convert and call in here."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from serving.batching import BatcherStats, DynamicBatcher
+from serving.errors import InvalidInput, ModelNotFound, ModelNotReady
+from serving.model_format import ModelConfig
+from serving.settings import ServingSettings
+from serving.traffic import TrafficSplitter
+from serving.types import (
+    DATATYPES,
+    InferRequest,
+    InferResponse,
+    ModelMetadata,
+    RepositoryEntry,
+    Tensor,
+    TensorMetadata,
+)
+
+log = logging.getLogger(__name__)
+
+TRITON_PLATFORMS = {"onnxruntime": "onnxruntime_onnx", "tensorrt": "tensorrt_plan", "rules": "rules"}
+
+
+@dataclass
+class LoadedVersion:
+    name: str
+    version: str
+    path: Path
+    config: ModelConfig
+    runtime: Any  # serving.runtimes.fallback.FallbackRuntime
+    batcher: DynamicBatcher
+    loaded_at: float = field(default_factory=time.time)
+    inputs: dict[str, tuple[str, tuple[int, ...]]] = field(default_factory=dict)  # name -> (datatype, shape)
+
+    def __post_init__(self) -> None:
+        self.inputs = {
+            str(t["name"]): (str(t["datatype"]), tuple(int(d) for d in t["shape"])) for t in self.config.inputs
+        }
+
+    @property
+    def max_batch_size(self) -> int:
+        return int(self.config.to_dict()["batching"]["max_batch_size"])
+
+
+class DataPlane:
+    """Loaded model versions and the operations of the V2 protocol on them.
+
+    Args:
+        settings: the server's settings.
+        versions: loads the repository: returns ``(model, version, path, config)`` of every version that
+            verified, and ``(where, reason)`` of every one that did not.
+        on_fallback: called with (model, version, level name, level index, reason) when a version's
+            runtime changes level (metrics and logs hook in here).
+    """
+
+    def __init__(
+        self,
+        settings: ServingSettings,
+        versions: Callable[[], tuple[list[tuple[str, str, Path, ModelConfig]], list[tuple[str, str]]]],
+        *,
+        on_fallback: Callable[[str, str, str, int, str], None] | None = None,
+    ) -> None:
+        self.settings = settings
+        self._scan = versions
+        self._on_fallback = on_fallback
+        self._lock = threading.RLock()
+        self._models: dict[str, dict[str, LoadedVersion]] = {}  # insertion order = load order
+        self._states: dict[tuple[str, str], RepositoryEntry] = {}
+        self._expected: set[tuple[str, str]] = set()
+        self.traffic = TrafficSplitter()
+        self.stopping = False  # set on shutdown: readiness drops before the ports close
+
+    # -- lifecycle -------------------------------------------------------------------------------
+
+    def load_all(self) -> None:
+        """Load and warm every version found in the repository; readiness waits for all of them."""
+        found, rejected = self._scan()
+        for where, reason in rejected:
+            log.error("not loading %s: %s", where, reason)
+            model, _, version = where.rpartition("/")
+            self._states[(model or where, version)] = RepositoryEntry(model or where, version, "UNAVAILABLE", reason)
+        self._expected = {(name, version) for name, version, _, _ in found}
+        for name, version, path, config in found:
+            self._load_version(name, version, path, config)
+
+    def _load_version(self, name: str, version: str, path: Path, config: ModelConfig) -> None:
+        from serving.runtimes import load_runtime
+
+        self._states[(name, version)] = RepositoryEntry(name, version, "LOADING")
+
+        def changed(level: str, index: int, reason: str) -> None:
+            log.warning("%s/%s now runs on %s (level %d): %s", name, version, level, index, reason)
+            if self._on_fallback is not None:
+                self._on_fallback(name, version, level, index, reason)
+
+        try:
+            runtime = load_runtime(
+                path,
+                config,
+                order=self.settings.runtime_order,
+                ort_threads=self.settings.ort_threads,
+                max_consecutive_errors=self.settings.max_consecutive_errors,
+                probe_interval_s=self.settings.probe_interval_s,
+                on_change=changed,
+            )
+        except Exception as exc:
+            log.error("%s/%s failed to load on every runtime: %s", name, version, exc)
+            self._states[(name, version)] = RepositoryEntry(name, version, "UNAVAILABLE", str(exc))
+            return
+        batching = config.to_dict()["batching"]
+        delay = self.settings.max_queue_delay_us
+        batcher = DynamicBatcher(
+            runtime.infer,
+            max_batch_size=int(batching["max_batch_size"]),
+            max_queue_delay_us=int(batching["max_queue_delay_us"] if delay is None else delay),
+            max_queue_size=int(batching["max_queue_size"]),
+            name=f"{name}/{version}",
+        )
+        loaded = LoadedVersion(name, version, path, config, runtime, batcher)
+        self._warm_up(loaded)
+        log.info("loaded %s/%s on %s (providers: %s)", name, version, runtime.level_name, ", ".join(runtime.providers))
+        with self._lock:
+            self._models.setdefault(name, {})[version] = loaded
+            self._states[(name, version)] = RepositoryEntry(name, version, "READY")
+
+    def _warm_up(self, loaded: LoadedVersion) -> None:
+        """One batch-1 and one full batch through the runtime, so the first request pays no lazy set-up."""
+        for rows in sorted({1, loaded.max_batch_size}):
+            batch = {
+                name: np.zeros((rows, *(d if d > 0 else 1 for d in shape[1:])), dtype=DATATYPES[datatype])
+                for name, (datatype, shape) in loaded.inputs.items()
+            }
+            try:
+                loaded.runtime.infer(batch)
+            except Exception as exc:  # a warm-up failure is the fallback chain's business, not fatal here
+                log.warning("%s/%s warm-up with %d rows failed: %s", loaded.name, loaded.version, rows, exc)
+
+    def load_model(self, name: str) -> None:
+        """(Re)load every version of ``name`` present in the repository, keeping the others serving.
+
+        Versions already loaded stay as they are; versions gone from the repository are unloaded.
+        """
+        found, _ = self._scan()
+        wanted = {version: (path, config) for model, version, path, config in found if model == name}
+        if not wanted:
+            raise ModelNotFound(f"model {name!r} is not in the repository {self.settings.repository!r}")
+        with self._lock:
+            present = set(self._models.get(name, {}))
+        for version, (path, config) in wanted.items():
+            if version not in present:
+                self._expected.add((name, version))
+                self._load_version(name, version, path, config)
+        for version in present - set(wanted):
+            self.unload_version(name, version)
+
+    def unload_model(self, name: str) -> None:
+        with self._lock:
+            versions = list(self._models.get(name, {}))
+        if not versions:
+            raise ModelNotFound(f"model {name!r} is not loaded")
+        for version in versions:
+            self.unload_version(name, version)
+
+    def unload_version(self, name: str, version: str) -> None:
+        """Stop routing to the version, finish its queued requests, then release it."""
+        with self._lock:
+            loaded = self._models.get(name, {}).pop(version, None)
+            if not self._models.get(name):
+                self._models.pop(name, None)
+            self.traffic.forget(name, version)
+            self._expected.discard((name, version))
+            self._states[(name, version)] = RepositoryEntry(name, version, "UNLOADING")
+        if loaded is None:
+            return
+        loaded.batcher.stop(timeout=self.settings.drain_timeout_s)
+        loaded.runtime.close()
+        self._states[(name, version)] = RepositoryEntry(name, version, "UNAVAILABLE", "unloaded")
+
+    def close(self) -> None:
+        with self._lock:
+            everything = [(n, v) for n, versions in self._models.items() for v in versions]
+        for name, version in everything:
+            self.unload_version(name, version)
+
+    # -- health and metadata ---------------------------------------------------------------------
+
+    def live(self) -> bool:
+        return True
+
+    def ready(self) -> bool:
+        """Every version found in the repository at start-up (or loaded since) is loaded and warmed."""
+        if self.stopping:
+            return False
+        with self._lock:
+            loaded = {(n, v) for n, versions in self._models.items() for v in versions}
+        return bool(self._expected) and self._expected <= loaded
+
+    def model_ready(self, name: str, version: str = "") -> bool:
+        with self._lock:
+            versions = self._models.get(name, {})
+            return bool(versions) if not version else version in versions
+
+    def metadata(self, name: str, version: str = "") -> ModelMetadata:
+        loaded = self._get(name, version or None)
+        with self._lock:
+            versions = tuple(self._models.get(name, {}))
+        config = loaded.config
+        return ModelMetadata(
+            name=name,
+            versions=versions,
+            platform=TRITON_PLATFORMS.get(config.platform, config.platform),
+            inputs=tuple(_tensor_meta(t) for t in config.inputs),
+            outputs=tuple(_tensor_meta(t) for t in config.outputs),
+        )
+
+    def config(self, name: str, version: str = "") -> dict[str, Any]:
+        return self._get(name, version or None).config.to_dict()
+
+    def index(self) -> list[RepositoryEntry]:
+        return sorted(self._states.values(), key=lambda e: (e.name, e.version))
+
+    def stats(self, name: str = "", version: str = "") -> list[tuple[str, str, BatcherStats]]:
+        with self._lock:
+            chosen = [
+                (n, v, lv.batcher.stats())
+                for n, versions in self._models.items()
+                for v, lv in versions.items()
+                if (not name or n == name) and (not version or v == version)
+            ]
+        if name and not chosen:
+            raise ModelNotFound(f"model {name!r}{' version ' + repr(version) if version else ''} is not loaded")
+        return chosen
+
+    def runtime_of(self, name: str, version: str) -> tuple[str, int, tuple[str, ...]]:
+        runtime = self._get(name, version).runtime
+        return runtime.level_name, runtime.level_index, tuple(runtime.providers)
+
+    # -- traffic ---------------------------------------------------------------------------------
+
+    def set_weights(self, name: str, weights: Mapping[str, int]) -> dict[str, int]:
+        with self._lock:
+            loaded = list(self._models.get(name, {}))
+            if not loaded:
+                raise ModelNotFound(f"model {name!r} is not loaded")
+            result = self.traffic.set_weights(name, weights, loaded)
+        log.info("traffic weights of %s set to %s", name, result)
+        return result
+
+    def weights(self, name: str) -> dict[str, int]:
+        if not self.model_ready(name):
+            raise ModelNotFound(f"model {name!r} is not loaded")
+        return self.traffic.weights(name)
+
+    # -- inference -------------------------------------------------------------------------------
+
+    def infer(self, request: InferRequest) -> InferResponse:
+        for attempt in (0, 1):
+            loaded = self._get(request.model_name, request.model_version or None)
+            batch = self._validate(loaded, request.inputs)
+            try:
+                outputs = loaded.batcher.submit(batch).result()
+                break
+            except ModelNotReady:
+                # Routed to a version being unloaded between choosing it and queueing: choose again, once,
+                # unless the client asked for that very version.
+                if attempt or request.model_version:
+                    raise
+        return self._response(loaded, request, outputs)
+
+    def _get(self, name: str, version: str | None) -> LoadedVersion:
+        with self._lock:
+            versions = self._models.get(name)
+            if not versions:
+                known = ", ".join(sorted(self._models)) or "none"
+                raise ModelNotFound(f"model {name!r} is not loaded (loaded models: {known})")
+            if version:
+                found = versions.get(version)
+                if found is None:
+                    raise ModelNotFound(
+                        f"model {name!r} has no loaded version {version!r} (loaded: {', '.join(versions)})"
+                    )
+                return found
+            return versions[self.traffic.choose(name, list(versions))]
+
+    def _validate(self, loaded: LoadedVersion, inputs: Sequence[Tensor]) -> dict[str, np.ndarray]:
+        given = {t.name: t for t in inputs}
+        expected = loaded.inputs
+        missing, unknown = sorted(set(expected) - set(given)), sorted(set(given) - set(expected))
+        if missing or unknown:
+            raise InvalidInput(
+                f"model {loaded.name!r} takes inputs {sorted(expected)}; missing {missing}, unexpected {unknown}"
+            )
+        batch: dict[str, np.ndarray] = {}
+        rows: int | None = None
+        for name, (datatype, shape) in expected.items():
+            tensor = given[name]
+            if tensor.datatype != datatype:
+                raise InvalidInput(f"input {name!r}: datatype {tensor.datatype}, expected {datatype}")
+            if len(tensor.shape) != len(shape) or any(
+                want != -1 and got != want for got, want in zip(tensor.shape, shape, strict=True)
+            ):
+                raise InvalidInput(f"input {name!r}: shape {list(tensor.shape)}, expected {list(shape)} (-1: any)")
+            count = tensor.shape[0]
+            if count < 1 or count > loaded.max_batch_size:
+                raise InvalidInput(
+                    f"input {name!r}: batch of {count}, expected 1 to {loaded.max_batch_size} (max_batch_size)"
+                )
+            if rows is not None and count != rows:
+                raise InvalidInput(f"input {name!r}: batch of {count}, other inputs have {rows}")
+            rows = count
+            batch[name] = tensor.data
+        return batch
+
+    def _response(self, loaded: LoadedVersion, request: InferRequest, outputs: dict[str, np.ndarray]) -> InferResponse:
+        declared = {str(t["name"]): str(t["datatype"]) for t in loaded.config.outputs}
+        wanted = [o.name for o in request.outputs] or list(declared)
+        unknown = [name for name in wanted if name not in outputs]
+        if unknown:
+            raise InvalidInput(
+                f"requested output(s) {unknown} do not exist; model {loaded.name!r} has {sorted(declared)}"
+            )
+        tensors = tuple(
+            Tensor(name, declared.get(name, "FP32"), tuple(outputs[name].shape), outputs[name]) for name in wanted
+        )
+        parameters: dict[str, Any] = {}
+        if loaded.runtime.level_name == "rules":
+            parameters["abnormal"] = True  # a rules answer, not the model's: callers must not trust it as one
+        return InferResponse(loaded.name, loaded.version, request.id, tensors, parameters)
+
+
+def _tensor_meta(tensor: Mapping[str, Any]) -> TensorMetadata:
+    return TensorMetadata(str(tensor["name"]), str(tensor["datatype"]), tuple(int(d) for d in tensor["shape"]))

@@ -1,0 +1,181 @@
+"""The HTTP side port: liveness/readiness for probes, /metrics for Prometheus, the V2 REST routes for
+debugging with curl, and the authenticated admin route that sets traffic weights (the local canary).
+
+The standard library's threading HTTP server is enough here: this port carries probes, scrapes and
+the odd debugging request, not the inference traffic (that is gRPC), and it keeps the image light.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import re
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from serving.dataplane import DataPlane
+from serving.errors import InvalidInput, ServingError, Unauthenticated
+from serving.metrics import ServerMetrics
+
+log = logging.getLogger(__name__)
+
+_MODEL = re.compile(r"^/v2/models/(?P<name>[^/]+)(?:/versions/(?P<version>[^/]+))?(?P<rest>/ready|/infer|/traffic)?$")
+MAX_BODY = 100 * 1024 * 1024
+
+
+class SidePort:
+    def __init__(
+        self,
+        dataplane: DataPlane,
+        metrics: ServerMetrics,
+        *,
+        host: str,
+        port: int,
+        admin_token: str | None,
+        server_name: str,
+    ) -> None:
+        handler = type("Handler", (_Handler,), {"side": self})
+        self.dataplane, self.metrics, self.admin_token, self.server_name = dataplane, metrics, admin_token, server_name
+        self.server = ThreadingHTTPServer((host, port), handler)
+        self.server.daemon_threads = True
+        self.port = int(self.server.server_address[1])
+        self._thread = threading.Thread(target=self.server.serve_forever, name="http-side-port", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+class _Handler(BaseHTTPRequestHandler):
+    side: SidePort
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, format: str, *args: Any) -> None:
+        log.debug("%s " + format, self.address_string(), *args)
+
+    def do_GET(self) -> None:
+        self._handle("GET")
+
+    def do_POST(self) -> None:
+        self._handle("POST")
+
+    def do_PUT(self) -> None:
+        self._handle("PUT")
+
+    def _handle(self, method: str) -> None:
+        try:
+            status, body, content_type = self._route(method, self.path.split("?", 1)[0])
+        except ServingError as exc:
+            status, body, content_type = exc.http_status, _json({"error": str(exc)}), "application/json"
+        except Exception:
+            log.exception("HTTP %s %s failed", method, self.path)
+            status, body, content_type = 500, _json({"error": "internal error; see the server log"}), "application/json"
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def _route(self, method: str, path: str) -> tuple[int, bytes, str]:
+        plane = self.side.dataplane
+        if method == "GET" and path in ("/health/live", "/v2/health/live"):
+            return _status(plane.live())
+        if method == "GET" and path in ("/health/ready", "/v2/health/ready"):
+            return _status(plane.ready())
+        if method == "GET" and path == "/metrics":
+            return 200, generate_latest(self.side.metrics.registry), CONTENT_TYPE_LATEST
+        if method == "GET" and path == "/v2":
+            return (
+                200,
+                _json({"name": self.side.server_name, "version": _version(), "extensions": []}),
+                "application/json",
+            )
+        match = _MODEL.match(path)
+        if match is None:
+            return 404, _json({"error": f"no route {method} {path}"}), "application/json"
+        name, version, rest = match["name"], match["version"] or "", match["rest"] or ""
+        if rest == "/traffic":
+            return self._traffic(method, name, version)
+        if method == "GET" and rest == "/ready":
+            return _status(plane.model_ready(name, version))
+        if method == "GET" and not rest:
+            meta = plane.metadata(name, version)
+            return 200, _json(_metadata_json(meta)), "application/json"
+        if method == "POST" and rest == "/infer":
+            from serving.converters import request_from_json, response_to_json
+
+            request = request_from_json(name, version, self._body())
+            return 200, _json(response_to_json(plane.infer(request))), "application/json"
+        return 405, _json({"error": f"{method} not allowed on {path}"}), "application/json"
+
+    def _traffic(self, method: str, name: str, version: str) -> tuple[int, bytes, str]:
+        if version:
+            raise InvalidInput("traffic weights are per model: use /v2/models/<name>/traffic without a version")
+        self._authorise()
+        plane = self.side.dataplane
+        if method == "GET":
+            return 200, _json({"model_name": name, "weights": plane.weights(name)}), "application/json"
+        if method in ("PUT", "POST"):
+            body = self._body()
+            weights = body.get("weights")
+            if not isinstance(weights, dict) or not all(isinstance(v, int) for v in weights.values()):
+                raise InvalidInput('body must be {"weights": {"<version>": <integer weight>, ...}}')
+            return 200, _json({"model_name": name, "weights": plane.set_weights(name, weights)}), "application/json"
+        return 405, _json({"error": f"{method} not allowed on traffic"}), "application/json"
+
+    def _authorise(self) -> None:
+        token = self.side.admin_token
+        if not token:
+            raise Unauthenticated("admin calls are disabled: set SLUICEGATE_SERVING__ADMIN_TOKEN on the server")
+        given = self.headers.get("Authorization", "")
+        if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
+            raise Unauthenticated("admin call without the right bearer token (Authorization: Bearer <token>)")
+
+    def _body(self) -> dict[str, Any]:
+        length = int(self.headers.get("Content-Length") or 0)
+        if length > MAX_BODY:
+            raise InvalidInput(f"request body of {length} bytes is over the {MAX_BODY} byte limit")
+        try:
+            body = json.loads(self.rfile.read(length) or b"{}")
+        except ValueError as exc:
+            raise InvalidInput(f"request body is not JSON: {exc}") from exc
+        if not isinstance(body, dict):
+            raise InvalidInput("request body must be a JSON object")
+        return body
+
+
+def _status(ok: bool) -> tuple[int, bytes, str]:
+    return (200 if ok else 503), b"", "text/plain"
+
+
+def _json(payload: Any) -> bytes:
+    return json.dumps(payload, default=str).encode()
+
+
+def _metadata_json(meta: Any) -> dict[str, Any]:
+    def tensors(items: Any) -> list[dict[str, Any]]:
+        return [{"name": t.name, "datatype": t.datatype, "shape": list(t.shape)} for t in items]
+
+    return {
+        "name": meta.name,
+        "versions": list(meta.versions),
+        "platform": meta.platform,
+        "inputs": tensors(meta.inputs),
+        "outputs": tensors(meta.outputs),
+    }
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("sluicegate")
+    except PackageNotFoundError:
+        return "0"

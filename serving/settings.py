@@ -1,0 +1,48 @@
+"""The model server's settings: one pydantic-settings root (env prefix ``SLUICEGATE_SERVING__``), read once
+at start-up and passed down. Separate from the platform's settings because the server image carries
+only serving dependencies."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import Field, SecretStr
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+MIB = 1024 * 1024
+
+
+class ServingSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="SLUICEGATE_SERVING__", extra="forbid", frozen=True)
+
+    repository: str = Field(
+        "", description="Model repository: a directory, s3://bucket/prefix, or models:/<name>@<alias> (MLflow)."
+    )
+    host: str = Field("127.0.0.1", description="Address both ports bind to (0.0.0.0 inside a container).")
+    grpc_port: int = Field(8001, ge=0, le=65535, description="KServe V2 gRPC port (0: pick a free one).")
+    http_port: int = Field(8000, ge=0, le=65535, description="Health, metrics, V2 REST and admin port (0: pick).")
+    grpc_workers: int = Field(
+        64, ge=1, description="gRPC handler threads; above the expected concurrency so batches can form."
+    )
+    max_message_bytes: int = Field(100 * MIB, ge=MIB, description="Largest gRPC message, both directions.")
+    keepalive_time_ms: int = Field(30_000, ge=1000, description="Server keepalive ping interval.")
+    keepalive_timeout_ms: int = Field(10_000, ge=1000, description="Wait for a keepalive ack before closing.")
+    min_client_ping_interval_ms: int = Field(
+        10_000, ge=0, description="Shortest client ping interval accepted (clients pinging faster are cut off)."
+    )
+    runtime_order: tuple[str, ...] = Field(
+        ("tensorrt", "onnxruntime", "rules"), description="Runtimes tried per model version, best first."
+    )
+    ort_threads: int = Field(1, ge=0, description="ONNX Runtime intra-op threads per session (0: all cores).")
+    max_consecutive_errors: int = Field(5, ge=1, description="Runtime errors in a row before dropping a level.")
+    probe_interval_s: float = Field(30.0, ge=0, description="How often a fallen-back model retries its better runtime.")
+    max_queue_delay_us: int | None = Field(
+        None, ge=0, description="Override every model's batching delay (microseconds); unset: config.json's."
+    )
+    max_elements: int = Field(64 * MIB, ge=1, description="Most tensor elements in one request.")
+    admin_token: SecretStr | None = Field(None, description="Bearer token of the admin calls (traffic weights).")
+    mlflow_tracking_uri: str | None = Field(None, description="MLflow server for models:/ repositories.")
+    s3_endpoint_url: str | None = Field(None, description="S3 endpoint for s3:// repositories (MinIO, moto).")
+    cache_dir: Path = Field(Path(".sluicegate/serving-cache"), description="Where remote repositories are copied.")
+    drain_timeout_s: float = Field(20.0, ge=0, description="Grace period for in-flight requests on shutdown.")
+    server_name: str = Field("sluicegate", description="Name reported by ServerMetadata.")
