@@ -235,3 +235,22 @@ def test_loading_and_unloading_versions_while_serving_loses_no_request(server: R
         c.load_model(MODEL)
     assert not failures, failures[:3]
     assert done[0] > 20
+
+
+def test_traffic_weights_over_the_grpc_admin_service_need_the_token(server: RunningServer) -> None:
+    from serving.proto import admin_pb2, admin_pb2_grpc
+
+    admin = admin_pb2_grpc.TrafficAdminStub(grpc.insecure_channel(f"127.0.0.1:{server.grpc_port}"))
+    request = admin_pb2.SetTrafficWeightsRequest(model_name=MODEL, weights={"1": 0, "2": 100})
+    with pytest.raises(grpc.RpcError) as caught:
+        admin.SetTrafficWeights(request, metadata=[("authorization", "Bearer wrong")])
+    assert caught.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    token = [("authorization", "Bearer s3cret")]
+    assert dict(admin.SetTrafficWeights(request, metadata=token).weights) == {"1": 0, "2": 100}
+    got = admin.GetTrafficWeights(admin_pb2.GetTrafficWeightsRequest(model_name=MODEL), metadata=token)
+    assert dict(got.weights) == {"1": 0, "2": 100}
+    c = client(server)
+    assert {infer(c, batch(1, seed=9)).get_response().model_version for _ in range(30)} == {"2"}
+    with pytest.raises(grpc.RpcError) as unknown:
+        admin.SetTrafficWeights(admin_pb2.SetTrafficWeightsRequest(model_name=MODEL, weights={"7": 1}), metadata=token)
+    assert unknown.value.code() == grpc.StatusCode.NOT_FOUND and "'7'" in unknown.value.details()
