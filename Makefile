@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: help install system-deps lint format generate test demo bench up down status clean
+.PHONY: help install system-deps client-venvs lint format generate test demo bench up down status clean
 
 help:
 	@echo "make demo   - bring up the embedded stack and run a dataset through the pipeline"
@@ -30,6 +30,10 @@ install: $(STAMP)
 system-deps:
 	@bash scripts/system-deps.sh
 
+# KServe's own client, to test the server against it; its pins clash with ours, so it lives apart.
+client-venvs:
+	@bash scripts/kserve-client-venv.sh > /dev/null
+
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
@@ -44,7 +48,7 @@ format: $(STAMP)
 generate: $(STAMP)
 	PYTHON=$(BIN)/python bash scripts/generate_proto.sh
 
-test: lint system-deps
+test: lint system-deps client-venvs
 	$(BIN)/pytest $(PYTEST_ARGS)
 
 demo: $(STAMP)

@@ -25,6 +25,7 @@ log = logging.getLogger(__name__)
 
 _MODEL = re.compile(r"^/v2/models/(?P<name>[^/]+)(?:/versions/(?P<version>[^/]+))?(?P<rest>/ready|/infer|/traffic)?$")
 MAX_BODY = 100 * 1024 * 1024
+BINARY_HEADER = "Inference-Header-Content-Length"  # Triton's binary tensor data extension
 
 
 class SidePort:
@@ -70,6 +71,7 @@ class _Handler(BaseHTTPRequestHandler):
         self._handle("PUT")
 
     def _handle(self, method: str) -> None:
+        self._extra_headers: dict[str, str] = {}
         try:
             status, body, content_type = self._route(method, self.path.split("?", 1)[0])
         except ServingError as exc:
@@ -78,6 +80,9 @@ class _Handler(BaseHTTPRequestHandler):
             log.exception("HTTP %s %s failed", method, self.path)
             status, body, content_type = 500, _json({"error": "internal error; see the server log"}), "application/json"
         self.send_response(status)
+        for key, value in self._extra_headers.items():
+            self.send_header(key, value)
+        self._extra_headers = {}
         self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
@@ -86,9 +91,9 @@ class _Handler(BaseHTTPRequestHandler):
     def _route(self, method: str, path: str) -> tuple[int, bytes, str]:
         plane = self.side.dataplane
         if method == "GET" and path in ("/health/live", "/v2/health/live"):
-            return _status(plane.live())
+            return _status(plane.live(), "live")
         if method == "GET" and path in ("/health/ready", "/v2/health/ready"):
-            return _status(plane.ready())
+            return _status(plane.ready(), "ready")
         if method == "GET" and path == "/metrics":
             return 200, generate_latest(self.side.metrics.registry), CONTENT_TYPE_LATEST
         if method == "GET" and path == "/v2":
@@ -104,16 +109,35 @@ class _Handler(BaseHTTPRequestHandler):
         if rest == "/traffic":
             return self._traffic(method, name, version)
         if method == "GET" and rest == "/ready":
-            return _status(plane.model_ready(name, version))
+            return _status(plane.model_ready(name, version), "ready")
         if method == "GET" and not rest:
             meta = plane.metadata(name, version)
             return 200, _json(_metadata_json(meta)), "application/json"
         if method == "POST" and rest == "/infer":
-            from serving.converters import request_from_json, response_to_json
-
-            request = request_from_json(name, version, self._body())
-            return 200, _json(response_to_json(plane.infer(request))), "application/json"
+            return self._infer(name, version)
         return 405, _json({"error": f"{method} not allowed on {path}"}), "application/json"
+
+    def _infer(self, name: str, version: str) -> tuple[int, bytes, str]:
+        from serving.converters_json import request_from_json, response_to_binary, response_to_json
+
+        header = self.headers.get(BINARY_HEADER)
+        if header is None:
+            request = request_from_json(name, version, self._body())
+        else:
+            raw = self._raw_body()
+            try:
+                split = int(header)
+            except ValueError as exc:
+                raise InvalidInput(f"{BINARY_HEADER} {header!r} is not a byte count") from exc
+            if not 0 <= split <= len(raw):
+                raise InvalidInput(f"{BINARY_HEADER} {split} is outside the {len(raw)}-byte body")
+            request = request_from_json(name, version, _parse_json(raw[:split]), binary=raw[split:])
+        response = self.side.dataplane.infer(request)
+        if request.raw_output:
+            body, split = response_to_binary(response)
+            self._extra_headers = {BINARY_HEADER: str(split)}
+            return 200, body, "application/octet-stream"
+        return 200, _json(response_to_json(response)), "application/json"
 
     def _traffic(self, method: str, name: str, version: str) -> tuple[int, bytes, str]:
         if version:
@@ -138,21 +162,29 @@ class _Handler(BaseHTTPRequestHandler):
         if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
             raise Unauthenticated("admin call without the right bearer token (Authorization: Bearer <token>)")
 
-    def _body(self) -> dict[str, Any]:
+    def _raw_body(self) -> bytes:
         length = int(self.headers.get("Content-Length") or 0)
         if length > MAX_BODY:
             raise InvalidInput(f"request body of {length} bytes is over the {MAX_BODY} byte limit")
-        try:
-            body = json.loads(self.rfile.read(length) or b"{}")
-        except ValueError as exc:
-            raise InvalidInput(f"request body is not JSON: {exc}") from exc
-        if not isinstance(body, dict):
-            raise InvalidInput("request body must be a JSON object")
-        return body
+        return self.rfile.read(length)
+
+    def _body(self) -> dict[str, Any]:
+        return _parse_json(self._raw_body())
 
 
-def _status(ok: bool) -> tuple[int, bytes, str]:
-    return (200 if ok else 503), b"", "text/plain"
+def _parse_json(raw: bytes) -> dict[str, Any]:
+    try:
+        body = json.loads(raw or b"{}")
+    except ValueError as exc:
+        raise InvalidInput(f"request body is not JSON: {exc}") from exc
+    if not isinstance(body, dict):
+        raise InvalidInput("request body must be a JSON object")
+    return body
+
+
+def _status(ok: bool, what: str) -> tuple[int, bytes, str]:
+    # The status code is what probes read; the JSON body is what KServe's REST client parses.
+    return (200 if ok else 503), _json({what: ok}), "application/json"
 
 
 def _json(payload: Any) -> bytes:

@@ -10,7 +10,7 @@ from typing import Any
 
 import grpc
 
-from serving import converters
+from serving import converters, converters_meta
 from serving.batching import BatcherStats
 from serving.dataplane import DataPlane
 from serving.errors import ServingError, Unauthenticated
@@ -35,25 +35,25 @@ class InferenceServicer(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
         return pb.ModelReadyResponse(ready=self.plane.model_ready(request.name, request.version))
 
     def ServerMetadata(self, request: Any, context: grpc.ServicerContext) -> Any:
-        return converters.server_metadata_to_proto(self.name, self.version, ["model_repository", "statistics"])
+        return converters_meta.server_metadata_to_proto(self.name, self.version, ["model_repository", "statistics"])
 
     def ModelMetadata(self, request: Any, context: grpc.ServicerContext) -> Any:
-        return converters.model_metadata_to_proto(self.plane.metadata(request.name, request.version))
+        return converters_meta.model_metadata_to_proto(self.plane.metadata(request.name, request.version))
 
     def ModelConfig(self, request: Any, context: grpc.ServicerContext) -> Any:
         return pb.ModelConfigResponse(
-            config=converters.model_config_to_proto(self.plane.config(request.name, request.version))
+            config=converters_meta.model_config_to_proto(self.plane.config(request.name, request.version))
         )
 
     def ModelStatistics(self, request: Any, context: grpc.ServicerContext) -> Any:
-        return converters.model_statistics_to_proto(
+        return converters_meta.model_statistics_to_proto(
             _version_stats(name, version, stats)
             for name, version, stats in self.plane.stats(request.name, request.version)
         )
 
     def RepositoryIndex(self, request: Any, context: grpc.ServicerContext) -> Any:
         entries = [e for e in self.plane.index() if not request.ready or e.state == "READY"]
-        return converters.repository_index_to_proto(entries)
+        return converters_meta.repository_index_to_proto(entries)
 
     def RepositoryModelLoad(self, request: Any, context: grpc.ServicerContext) -> Any:
         self.plane.load_model(request.model_name)
@@ -102,16 +102,18 @@ class AdminServicer(admin_pb2_grpc.TrafficAdminServicer):
         return admin_pb2.TrafficWeightsResponse(model_name=request.model_name, weights=weights)
 
 
-def _version_stats(name: str, version: str, stats: BatcherStats) -> converters.ModelVersionStats:
+def _version_stats(name: str, version: str, stats: BatcherStats) -> converters_meta.ModelVersionStats:
     """Triton's statistics from the batcher's counters: an execution is a batch, an inference a row."""
-    return converters.ModelVersionStats(
+    return converters_meta.ModelVersionStats(
         name=name,
         version=version,
         last_inference_ms=stats.last_inference_ms,
         inference_count=stats.rows,
         execution_count=stats.batches,
-        success=converters.DurationStats(stats.requests - stats.failures, stats.queue_ns_total + stats.exec_ns_total),
-        fail=converters.DurationStats(stats.failures + stats.rejected, 0),
-        queue=converters.DurationStats(stats.requests, stats.queue_ns_total),
-        compute_infer=converters.DurationStats(stats.batches, stats.exec_ns_total),
+        success=converters_meta.DurationStats(
+            stats.requests - stats.failures, stats.queue_ns_total + stats.exec_ns_total
+        ),
+        fail=converters_meta.DurationStats(stats.failures + stats.rejected, 0),
+        queue=converters_meta.DurationStats(stats.requests, stats.queue_ns_total),
+        compute_infer=converters_meta.DurationStats(stats.batches, stats.exec_ns_total),
     )

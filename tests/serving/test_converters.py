@@ -1,9 +1,11 @@
-"""serving/converters.py: every V2 datatype both ways, typed and raw, gRPC and JSON; each refusal names
-the input and what was expected; metadata, ModelConfig and statistics; and a fuzz test that anything a
-client can send either converts or is refused with InvalidInput."""
+"""serving/converters.py, converters_json.py, converters_meta.py and tensor_checks.py: every V2 datatype
+both ways, typed and raw, gRPC and JSON; each refusal names the input and what was expected; metadata,
+ModelConfig and statistics; and a fuzz test that anything a client can send either converts or is
+refused with InvalidInput."""
 
 from __future__ import annotations
 
+import json
 import math
 import re
 import struct
@@ -17,9 +19,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tritonclient.utils import serialize_byte_tensor
 
-from serving import converters
+from serving import converters, converters_json, converters_meta
 from serving.errors import InvalidInput, RepositoryError
 from serving.proto import grpc_service_pb2 as pb
+from serving.tensor_checks import DEFAULT_MAX_ELEMENTS
 from serving.types import (
     DATATYPES,
     InferRequest,
@@ -389,14 +392,14 @@ def test_json_request_and_response_every_datatype(datatype: str, nested: bool) -
     array = JSON_ARRAYS[datatype]
     data = array.tolist() if nested else array.reshape(-1).tolist()
     body = {"id": "j1", "inputs": [{"name": "x", "datatype": datatype, "shape": [2, 3], "data": data}]}
-    request = converters.request_from_json("pcb", "2", body)
+    request = converters_json.request_from_json("pcb", "2", body)
     expected = (
         np.array([[v.encode() for v in row] for row in array.tolist()], dtype=object) if datatype == "BYTES" else array
     )
     _assert_same(request.inputs[0], datatype, expected)
     assert (request.model_name, request.model_version, request.id, request.raw_output) == ("pcb", "2", "j1", False)
 
-    answer = converters.response_to_json(InferResponse("pcb", "2", "j1", request.inputs, {"n": np.int64(3)}))
+    answer = converters_json.response_to_json(InferResponse("pcb", "2", "j1", request.inputs, {"n": np.int64(3)}))
     assert answer == {
         "model_name": "pcb",
         "model_version": "2",
@@ -412,7 +415,7 @@ def test_json_outputs_and_parameters() -> None:
         "outputs": [{"name": "logits", "parameters": {"classification": 2}}, {"name": "probs"}],
         "parameters": {"priority": 1, "tag": "a", "flag": False, "ratio": 0.5},
     }
-    request = converters.request_from_json("pcb", "", body)
+    request = converters_json.request_from_json("pcb", "", body)
     assert request.inputs[0].parameters == {"layout": "N"}
     assert [(o.name, o.parameters) for o in request.outputs] == [("logits", {"classification": 2}), ("probs", {})]
     assert request.parameters == {"priority": 1, "tag": "a", "flag": False, "ratio": 0.5}
@@ -434,7 +437,7 @@ JSON_REFUSALS: dict[str, tuple[Any, str]] = {
     "negative shape": (_json_input(shape=[-1, 2]), "input 'x': dimension 0 of shape \\[-1, 2\\] is -1"),
     "no data": (
         {"inputs": [{"name": "x", "datatype": "INT32", "shape": [1]}]},
-        "input 'x' has no 'data'; expected a JSON list",
+        r"input 'x' has neither 'data' \(a JSON list\) nor a binary_data_size",
     ),
     "data not a list": (_json_input(data="1234"), "input 'x': data is str; expected a JSON list"),
     "too few": (_json_input(data=[[1, 2], [3]]), r"input 'x': 3 INT32 elements in data for shape \[2, 2\]; expected 4"),
@@ -493,7 +496,7 @@ JSON_REFUSALS: dict[str, tuple[Any, str]] = {
 def test_each_json_refusal_names_the_problem(case: str) -> None:
     body, message = JSON_REFUSALS[case]
     with pytest.raises(InvalidInput, match=message):
-        converters.request_from_json("pcb", "", body)
+        converters_json.request_from_json("pcb", "", body)
 
 
 def test_json_element_cap() -> None:
@@ -501,7 +504,7 @@ def test_json_element_cap() -> None:
         InvalidInput,
         match=r"input 'x': shape \[2, 2\] has 4 elements, which brings the request to 4; expected at most 3",
     ):
-        converters.request_from_json("pcb", "", _json_input(), max_elements=3)
+        converters_json.request_from_json("pcb", "", _json_input(), max_elements=3)
 
 
 def test_a_bytes_output_json_cannot_carry_is_refused_by_name() -> None:
@@ -509,14 +512,14 @@ def test_a_bytes_output_json_cannot_carry_is_refused_by_name() -> None:
     with pytest.raises(
         InvalidInput, match="output 'blob': element 1 is not UTF-8 text, which JSON cannot carry; request it over gRPC"
     ):
-        converters.response_to_json(InferResponse("m", "1", "", (output,)))
+        converters_json.response_to_json(InferResponse("m", "1", "", (output,)))
 
 
 # --- metadata, repository, ModelConfig, statistics ----------------------------------------------------
 
 
 def test_server_and_model_metadata() -> None:
-    server = converters.server_metadata_to_proto("sluicegate", "0.1.0", ["model_repository", "statistics"])
+    server = converters_meta.server_metadata_to_proto("sluicegate", "0.1.0", ["model_repository", "statistics"])
     assert (server.name, server.version, list(server.extensions)) == (
         "sluicegate",
         "0.1.0",
@@ -530,7 +533,7 @@ def test_server_and_model_metadata() -> None:
         (TensorMetadata("image", "FP32", (-1, 3, 224, 224)),),
         (TensorMetadata("logits", "FP32", (-1, 2)), TensorMetadata("label", "BYTES", (-1,))),
     )
-    msg = converters.model_metadata_to_proto(meta)
+    msg = converters_meta.model_metadata_to_proto(meta)
     assert (msg.name, list(msg.versions), msg.platform) == ("pcb", ["1", "2"], "onnxruntime_onnx")
     assert [(t.name, t.datatype, list(t.shape)) for t in msg.inputs] == [("image", "FP32", [-1, 3, 224, 224])]
     assert [(t.name, t.datatype, list(t.shape)) for t in msg.outputs] == [
@@ -541,7 +544,7 @@ def test_server_and_model_metadata() -> None:
 
 def test_repository_index() -> None:
     entries = [RepositoryEntry("pcb", "1", "READY"), RepositoryEntry("pcb", "2", "UNAVAILABLE", "checksum mismatch")]
-    msg = converters.repository_index_to_proto(entries)
+    msg = converters_meta.repository_index_to_proto(entries)
     assert [(m.name, m.version, m.state, m.reason) for m in msg.models] == [
         ("pcb", "1", "READY", ""),
         ("pcb", "2", "UNAVAILABLE", "checksum mismatch"),
@@ -564,7 +567,7 @@ def _config(**changes: Any) -> dict[str, Any]:
 
 
 def test_model_config_of_a_batching_model() -> None:
-    msg = converters.model_config_to_proto(_config())
+    msg = converters_meta.model_config_to_proto(_config())
     assert (msg.name, msg.platform, msg.backend, msg.max_batch_size) == ("pcb", "tensorrt_plan", "tensorrt", 16)
     assert [(t.name, t.data_type, list(t.dims)) for t in msg.input] == [("image", pb.TYPE_FP16, [3, 64, 64])]
     assert [(t.name, t.data_type, list(t.dims)) for t in msg.output] == [
@@ -578,7 +581,9 @@ def test_model_config_of_a_batching_model() -> None:
 
 
 def test_model_config_without_batching_keeps_full_shapes() -> None:
-    msg = converters.model_config_to_proto(_config(batching={"max_batch_size": 0}, platform="rules", version="v-a"))
+    msg = converters_meta.model_config_to_proto(
+        _config(batching={"max_batch_size": 0}, platform="rules", version="v-a")
+    )
     assert (msg.platform, msg.backend, msg.max_batch_size) == ("rules", "rules", 0)
     assert list(msg.input[0].dims) == [-1, 3, 64, 64]
     assert msg.WhichOneof("scheduling_choice") is None
@@ -589,7 +594,7 @@ def test_model_config_without_batching_keeps_full_shapes() -> None:
 def test_model_config_datatypes_are_tritons(datatype: str) -> None:
     config = _config(inputs=[{"name": "x", "datatype": datatype, "shape": [-1]}])
     expected = "TYPE_STRING" if datatype == "BYTES" else f"TYPE_{datatype}"
-    assert pb.DataType.Name(converters.model_config_to_proto(config).input[0].data_type) == expected
+    assert pb.DataType.Name(converters_meta.model_config_to_proto(config).input[0].data_type) == expected
 
 
 @pytest.mark.parametrize(
@@ -604,12 +609,12 @@ def test_model_config_datatypes_are_tritons(datatype: str) -> None:
 )
 def test_model_config_refuses_what_triton_could_not_describe(tensor: dict[str, Any], message: str) -> None:
     with pytest.raises(RepositoryError, match=message):
-        converters.model_config_to_proto(_config(inputs=[tensor]))
+        converters_meta.model_config_to_proto(_config(inputs=[tensor]))
 
 
 def test_model_statistics_defaults_are_zero() -> None:
-    assert not converters.model_statistics_to_proto([]).model_stats
-    (stats,) = converters.model_statistics_to_proto([converters.ModelVersionStats("pcb", "1")]).model_stats
+    assert not converters_meta.model_statistics_to_proto([]).model_stats
+    (stats,) = converters_meta.model_statistics_to_proto([converters_meta.ModelVersionStats("pcb", "1")]).model_stats
     assert (stats.name, stats.version, stats.inference_count, stats.inference_stats.success.count) == ("pcb", "1", 0, 0)
     assert stats.HasField("inference_stats") and not stats.batch_stats
 
@@ -704,9 +709,7 @@ def infer_requests(draw: st.DrawFn) -> pb.ModelInferRequest:
     return msg
 
 
-def _converts_or_refuses(
-    msg: pb.ModelInferRequest, max_elements: int = converters.DEFAULT_MAX_ELEMENTS
-) -> InferRequest | None:
+def _converts_or_refuses(msg: pb.ModelInferRequest, max_elements: int = DEFAULT_MAX_ELEMENTS) -> InferRequest | None:
     try:
         request = converters.request_from_proto(msg, max_elements=max_elements)
     except InvalidInput as exc:
@@ -755,3 +758,28 @@ def test_messages_name_the_input_not_the_whole_request() -> None:
     with pytest.raises(InvalidInput) as caught:
         converters.request_from_proto(msg)
     assert len(str(caught.value)) < 1000 and re.search(r"'input_0_x+', .*, \.\.\.\]", str(caught.value))
+
+
+def test_json_with_binary_tensor_data_round_trips() -> None:
+    """Triton's binary extension, as KServe's REST client sends it by default."""
+    x = np.arange(12, dtype=np.float32).reshape(3, 4)
+    words = np.array([b"ab", b""], dtype=np.object_)
+    raw_words = b"".join(struct.pack("<I", len(w)) + w for w in words)
+    body = {
+        "inputs": [
+            {"name": "x", "datatype": "FP32", "shape": [3, 4], "parameters": {"binary_data_size": x.nbytes}},
+            {"name": "w", "datatype": "BYTES", "shape": [2], "parameters": {"binary_data_size": len(raw_words)}},
+        ],
+        "parameters": {"binary_data_output": True},
+    }
+    request = converters_json.request_from_json("m", "", body, binary=x.tobytes() + raw_words)
+    np.testing.assert_array_equal(request.inputs[0].data, x)
+    assert list(request.inputs[1].data) == [b"ab", b""] and request.raw_output
+    assert "binary_data_size" not in request.inputs[0].parameters
+    with pytest.raises(InvalidInput, match="4 binary bytes after the JSON header belong to no input"):
+        converters_json.request_from_json("m", "", body, binary=x.tobytes() + raw_words + b"1234")
+    response = InferResponse("m", "1", "", (Tensor("y", "FP32", (3, 4), x),))
+    payload, split = converters_json.response_to_binary(response)
+    header = json.loads(payload[:split])
+    assert header["outputs"][0]["parameters"]["binary_data_size"] == x.nbytes and "data" not in header["outputs"][0]
+    np.testing.assert_array_equal(np.frombuffer(payload[split:], dtype=np.float32).reshape(3, 4), x)

@@ -22,9 +22,9 @@ from tritonclient.grpc import _utils as triton_utils
 from tritonclient.grpc import model_config_pb2 as triton_config_pb2
 from tritonclient.grpc import service_pb2 as triton_pb2
 
-from serving import converters
+from serving import converters, converters_meta
 from serving.proto import admin_pb2, grpc_service_pb2, grpc_service_pb2_grpc
-from serving.types import InferResponse, ModelMetadata, Tensor, TensorMetadata
+from serving.types import DATATYPES, InferResponse, ModelMetadata, Tensor, TensorMetadata
 
 ROOT = Path(__file__).resolve().parents[2]
 PROTO_DIR = ROOT / "serving" / "proto"
@@ -204,7 +204,7 @@ def test_a_request_built_by_tritonclient_decodes_with_ours() -> None:
     assert [(o.name, o.parameters) for o in parsed.outputs] == [("logits", {"classification": 2})]
     for tensor, (datatype, array) in zip(parsed.inputs, ARRAYS.items(), strict=True):
         assert (tensor.name, tensor.datatype, tensor.shape) == (f"in_{datatype.lower()}", datatype, array.shape)
-        assert tensor.data.dtype == converters.DATATYPES[datatype]
+        assert tensor.data.dtype == DATATYPES[datatype]
         np.testing.assert_array_equal(tensor.data, array)
 
 
@@ -249,7 +249,7 @@ def test_our_typed_response_reads_as_tritons_message() -> None:
 
 
 def test_model_config_reads_as_tritons_and_as_perf_analyzer_sees_it() -> None:
-    wire = pb.ModelConfigResponse(config=converters.model_config_to_proto(CONFIG)).SerializeToString()
+    wire = pb.ModelConfigResponse(config=converters_meta.model_config_to_proto(CONFIG)).SerializeToString()
     theirs = triton_pb2.ModelConfigResponse.FromString(wire).config
     # perf_analyzer turns the ModelConfig into JSON and reads that.
     seen = json_format.MessageToDict(theirs, preserving_proto_field_name=True)
@@ -287,19 +287,19 @@ def test_a_triton_model_config_decodes_with_ours_keeping_the_shared_fields() -> 
 
 
 def test_model_statistics_read_as_tritons() -> None:
-    stats = converters.ModelVersionStats(
+    stats = converters_meta.ModelVersionStats(
         name="pcb",
         version="2",
         last_inference_ms=1_700_000_000_123,
         inference_count=40,
         execution_count=10,
-        success=converters.DurationStats(20, 9_000),
-        fail=converters.DurationStats(1, 500),
-        queue=converters.DurationStats(21, 3_000),
-        compute_infer=converters.DurationStats(20, 5_000),
-        batches=(converters.BatchStats(4, compute_infer=converters.DurationStats(10, 5_000)),),
+        success=converters_meta.DurationStats(20, 9_000),
+        fail=converters_meta.DurationStats(1, 500),
+        queue=converters_meta.DurationStats(21, 3_000),
+        compute_infer=converters_meta.DurationStats(20, 5_000),
+        batches=(converters_meta.BatchStats(4, compute_infer=converters_meta.DurationStats(10, 5_000)),),
     )
-    wire = converters.model_statistics_to_proto([stats]).SerializeToString()
+    wire = converters_meta.model_statistics_to_proto([stats]).SerializeToString()
     (theirs,) = triton_pb2.ModelStatisticsResponse.FromString(wire).model_stats
 
     assert (theirs.name, theirs.version, theirs.last_inference) == ("pcb", "2", 1_700_000_000_123)
@@ -328,13 +328,15 @@ class _EchoService(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):  # type:
 
     def ModelMetadata(self, request: Any, context: grpc.ServicerContext) -> Any:
         tensor = TensorMetadata("image", "FP32", (-1, 3, 224, 224))
-        return converters.model_metadata_to_proto(ModelMetadata("pcb", ("3",), "onnxruntime_onnx", (tensor,), ()))
+        return converters_meta.model_metadata_to_proto(ModelMetadata("pcb", ("3",), "onnxruntime_onnx", (tensor,), ()))
 
     def ModelConfig(self, request: Any, context: grpc.ServicerContext) -> Any:
-        return pb.ModelConfigResponse(config=converters.model_config_to_proto(CONFIG))
+        return pb.ModelConfigResponse(config=converters_meta.model_config_to_proto(CONFIG))
 
     def ModelStatistics(self, request: Any, context: grpc.ServicerContext) -> Any:
-        return converters.model_statistics_to_proto([converters.ModelVersionStats("pcb", "3", inference_count=7)])
+        return converters_meta.model_statistics_to_proto(
+            [converters_meta.ModelVersionStats("pcb", "3", inference_count=7)]
+        )
 
     def ModelInfer(self, request: Any, context: grpc.ServicerContext) -> Any:
         parsed = converters.request_from_proto(request)

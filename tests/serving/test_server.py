@@ -246,9 +246,13 @@ def test_traffic_weights_over_the_grpc_admin_service_need_the_token(server: Runn
         admin.SetTrafficWeights(request, metadata=[("authorization", "Bearer wrong")])
     assert caught.value.code() == grpc.StatusCode.UNAUTHENTICATED
     token = [("authorization", "Bearer s3cret")]
-    assert dict(admin.SetTrafficWeights(request, metadata=token).weights) == {"1": 0, "2": 100}
+
+    def positive(weights: object) -> dict[str, int]:  # versions loaded by earlier tests get weight 0
+        return {k: v for k, v in dict(weights).items() if v}  # type: ignore[call-overload]
+
+    assert positive(admin.SetTrafficWeights(request, metadata=token).weights) == {"2": 100}
     got = admin.GetTrafficWeights(admin_pb2.GetTrafficWeightsRequest(model_name=MODEL), metadata=token)
-    assert dict(got.weights) == {"1": 0, "2": 100}
+    assert positive(got.weights) == {"2": 100}
     c = client(server)
     assert {infer(c, batch(1, seed=9)).get_response().model_version for _ in range(30)} == {"2"}
     with pytest.raises(grpc.RpcError) as unknown:
