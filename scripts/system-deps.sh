@@ -1,16 +1,28 @@
 #!/usr/bin/env bash
-# Debian packages the tests need: PostgreSQL's server binaries (initdb, pg_ctl) for the throwaway
-# cluster. Installed only when missing, only where apt-get and root are available.
+# Debian packages the tests need, each installed only when its binary is missing, only where apt-get and
+# root are available (apt-get update runs once, for all of them):
+#   postgresql               initdb, pg_ctl for the throwaway cluster (/usr/lib/postgresql/<major>/bin/)
+#   prometheus               promtool (/usr/bin/promtool): checks and unit-tests infra/prometheus/
+#   prometheus-alertmanager  amtool (/usr/bin/amtool): checks infra/alertmanager/alertmanager.yml
+# Both Prometheus packages also ship a daemon, which a systemd host enables; the tests use only the tools
+# (`systemctl disable --now prometheus prometheus-alertmanager` stops them).
 set -euo pipefail
 have_pg() {
   command -v initdb >/dev/null 2>&1 || compgen -G "/usr/lib/postgresql/*/bin/initdb" >/dev/null
 }
-if have_pg; then exit 0; fi
+have_promtool() { command -v promtool >/dev/null 2>&1; }
+have_amtool() { command -v amtool >/dev/null 2>&1; }
+
+missing=()
+have_pg || missing+=(postgresql)
+have_promtool || missing+=(prometheus)
+have_amtool || missing+=(prometheus-alertmanager)
+if [ "${#missing[@]}" -eq 0 ]; then exit 0; fi
 if [ "$(id -u)" != 0 ] || ! command -v apt-get >/dev/null; then
-  echo "PostgreSQL server binaries (initdb) are missing: install the 'postgresql' package" >&2
+  echo "missing tools (initdb, promtool, amtool): install the Debian packages: ${missing[*]}" >&2
   exit 1
 fi
 export DEBIAN_FRONTEND=noninteractive
 apt-get update -qq
-apt-get install -y -qq --no-install-recommends postgresql >/dev/null
-have_pg
+apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+have_pg && have_promtool && have_amtool

@@ -19,6 +19,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -67,10 +68,18 @@ class BatchObserver(Protocol):
     def on_batch(self, batch_rows: int, queue_ns: Sequence[int], exec_ns: int, ok: bool) -> None: ...
 
 
-class _Request:
-    __slots__ = ("enqueued_ns", "future", "inputs", "rows", "signature")
+class BatchTracer(Protocol):
+    """Spans around a batch's runtime call (serving.observability.tracing.RequestTracing fits), so the
+    batcher needs no tracing library of its own."""
 
-    def __init__(self, inputs: Batch, rows: int, signature: Signature) -> None:
+    def batch(self, traces: Sequence[Any], *, runtime: str, batch_rows: int) -> AbstractContextManager[None]: ...
+
+
+class _Request:
+    __slots__ = ("enqueued_ns", "future", "inputs", "rows", "signature", "trace")
+
+    def __init__(self, inputs: Batch, rows: int, signature: Signature, trace: Any = None) -> None:
+        self.trace = trace
         self.inputs = inputs
         self.rows = rows
         self.signature = signature
@@ -101,6 +110,8 @@ class DynamicBatcher:
         max_queue_size: int,
         name: str,
         observer: BatchObserver | None = None,
+        tracer: BatchTracer | None = None,
+        runtime_name: Callable[[], str] | None = None,
     ) -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be at least 1, got {max_batch_size}")
@@ -109,6 +120,7 @@ class DynamicBatcher:
         if max_queue_size < 1:
             raise ValueError(f"max_queue_size must be at least 1, got {max_queue_size}")
         self._run = run
+        self._tracer, self._runtime_name = tracer, runtime_name
         self._max_rows = max_batch_size
         self._delay_ns = max_queue_delay_us * 1000
         self._max_queued = max_queue_size
@@ -129,11 +141,12 @@ class DynamicBatcher:
         self._thread = threading.Thread(target=self._work, name=name, daemon=True)
         self._thread.start()
 
-    def submit(self, inputs: Mapping[str, Array]) -> Future[Batch]:
+    def submit(self, inputs: Mapping[str, Array], trace: Any = None) -> Future[Batch]:
         """Queue one request; the future resolves to its own rows of every output.
 
         Args:
             inputs: Input name to array, each with the same leading batch dimension n >= 1.
+            trace: the request's queued-trace handle, given to the tracer with its batch.
 
         Returns:
             A future of ``{output name: array}`` with n rows each, owned by this request.
@@ -145,7 +158,7 @@ class DynamicBatcher:
             ModelNotReady: ``stop()`` was called.
         """
         arrays, rows, signature = self._admit(inputs)
-        request = _Request(arrays, rows, signature)
+        request = _Request(arrays, rows, signature, trace)
         with self._lock:
             if self._stopping:
                 raise ModelNotReady(
@@ -339,7 +352,12 @@ class DynamicBatcher:
         results: list[Batch] = []
         error: BaseException | None = None
         try:
-            results = self._split(self._run(self._concatenate(batch)), batch, rows)
+            if self._tracer is None:
+                results = self._split(self._run(self._concatenate(batch)), batch, rows)
+            else:
+                runtime = self._runtime_name() if self._runtime_name else ""
+                with self._tracer.batch([r.trace for r in batch], runtime=runtime, batch_rows=rows):
+                    results = self._split(self._run(self._concatenate(batch)), batch, rows)
         except Exception as exc:  # the runtime's failure belongs to this batch's callers, not the worker
             error = exc
         exec_ns = time.monotonic_ns() - start

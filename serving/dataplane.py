@@ -34,6 +34,15 @@ log = logging.getLogger(__name__)
 TRITON_PLATFORMS = {"onnxruntime": "onnxruntime_onnx", "tensorrt": "tensorrt_plan", "rules": "rules"}
 
 
+@dataclass(frozen=True)
+class Telemetry:
+    """What the data plane reports to: metrics, tracing, and the thread the drift tests run on."""
+
+    metrics: Any  # serving.observability.metrics.ServerMetrics
+    tracing: Any  # serving.observability.tracing.RequestTracing
+    drift_pool: Any  # concurrent.futures.Executor
+
+
 @dataclass
 class LoadedVersion:
     name: str
@@ -43,6 +52,8 @@ class LoadedVersion:
     runtime: Any  # serving.runtimes.fallback.FallbackRuntime
     batcher: DynamicBatcher
     loaded_at: float = field(default_factory=time.time)
+    drift: Any = None  # serving.observability.drift.DriftMonitor (None: no baseline in config.json)
+    entropy: Any = None  # serving.observability.entropy.EntropyMonitor
     inputs: dict[str, tuple[str, tuple[int, ...]]] = field(default_factory=dict)  # name -> (datatype, shape)
 
     def __post_init__(self) -> None:
@@ -72,8 +83,10 @@ class DataPlane:
         versions: Callable[[], tuple[list[tuple[str, str, Path, ModelConfig]], list[tuple[str, str]]]],
         *,
         on_fallback: Callable[[str, str, str, int, str], None] | None = None,
+        telemetry: Telemetry | None = None,
     ) -> None:
         self.settings = settings
+        self.telemetry = telemetry
         self._scan = versions
         self._on_fallback = on_fallback
         self._lock = threading.RLock()
@@ -122,19 +135,60 @@ class DataPlane:
             return
         batching = config.to_dict()["batching"]
         delay = self.settings.max_queue_delay_us
+        telemetry = self.telemetry
         batcher = DynamicBatcher(
             runtime.infer,
             max_batch_size=int(batching["max_batch_size"]),
             max_queue_delay_us=int(batching["max_queue_delay_us"] if delay is None else delay),
             max_queue_size=int(batching["max_queue_size"]),
             name=f"{name}/{version}",
+            observer=None if telemetry is None else telemetry.metrics.batch_observer(name, version),
+            tracer=None if telemetry is None else telemetry.tracing,
+            runtime_name=lambda: str(runtime.level_name),
         )
         loaded = LoadedVersion(name, version, path, config, runtime, batcher)
+        self._attach_monitors(loaded)
         self._warm_up(loaded)
         log.info("loaded %s/%s on %s (providers: %s)", name, version, runtime.level_name, ", ".join(runtime.providers))
         with self._lock:
             self._models.setdefault(name, {})[version] = loaded
             self._states[(name, version)] = RepositoryEntry(name, version, "READY")
+
+    def _attach_monitors(self, loaded: LoadedVersion) -> None:
+        """Drift (when config.json has a training baseline) and output-entropy monitors for a version."""
+        telemetry, s = self.telemetry, self.settings
+        if telemetry is None:
+            return
+        from serving.observability.drift import DriftMonitor, rgb_baseline
+        from serving.observability.entropy import EntropyMonitor
+
+        name, version, metrics = loaded.name, loaded.version, telemetry.metrics
+        baseline = rgb_baseline(loaded.config.drift_baseline)
+        if baseline is not None and self._image_input(loaded) is not None:
+            loaded.drift = DriftMonitor(
+                baseline,
+                window=s.drift_window,
+                test_every=s.drift_test_every,
+                min_samples=s.drift_min_samples,
+                ks_threshold=s.drift_ks_threshold,
+                p_threshold=s.drift_p_threshold,
+                executor=telemetry.drift_pool,
+                on_report=lambda report: metrics.set_drift(name, version, report.as_metrics(), report.alarm),
+            )
+        loaded.entropy = EntropyMonitor(
+            s.entropy_window,
+            min_rows=s.entropy_min_rows,
+            collapse_std_bits=s.entropy_collapse_std_bits,
+            collapse_class_share=s.entropy_collapse_class_share,
+        )
+
+    @staticmethod
+    def _image_input(loaded: LoadedVersion) -> str | None:
+        """The NCHW image input the drift features come from (the first 4-D FP32 input with 3 channels)."""
+        for name, (datatype, shape) in loaded.inputs.items():
+            if datatype == "FP32" and len(shape) == 4 and shape[1] == 3:
+                return name
+        return None
 
     def _warm_up(self, loaded: LoadedVersion) -> None:
         """One batch-1 and one full batch through the runtime, so the first request pays no lazy set-up."""
@@ -187,6 +241,8 @@ class DataPlane:
             return
         loaded.batcher.stop(timeout=self.settings.drain_timeout_s)
         loaded.runtime.close()
+        if self.telemetry is not None:
+            self.telemetry.metrics.forget(name, version)
         self._states[(name, version)] = RepositoryEntry(name, version, "UNAVAILABLE", "unloaded")
 
     def close(self) -> None:
@@ -270,8 +326,13 @@ class DataPlane:
         for attempt in (0, 1):
             loaded = self._get(request.model_name, request.model_version or None)
             batch = self._validate(loaded, request.inputs)
+            self._observe_drift(loaded, batch)
             try:
-                outputs = loaded.batcher.submit(batch).result()
+                if self.telemetry is None:
+                    outputs = loaded.batcher.submit(batch).result()
+                else:
+                    with self.telemetry.tracing.queued() as queued:
+                        outputs = loaded.batcher.submit(batch, trace=queued).result()
                 break
             except ModelNotReady:
                 # Routed to a version being unloaded between choosing it and queueing: choose again, once,
@@ -279,6 +340,15 @@ class DataPlane:
                 if attempt or request.model_version:
                     raise
         return self._response(loaded, request, outputs)
+
+    def _observe_drift(self, loaded: LoadedVersion, batch: Mapping[str, np.ndarray]) -> None:
+        if loaded.drift is None:
+            return
+        from serving.observability.drift import channel_means
+
+        image = self._image_input(loaded)
+        if image is not None:
+            loaded.drift.observe(channel_means(batch[image], loaded.config.preprocessing))
 
     def _get(self, name: str, version: str | None) -> LoadedVersion:
         with self._lock:
@@ -336,9 +406,21 @@ class DataPlane:
             Tensor(name, declared.get(name, "FP32"), tuple(outputs[name].shape), outputs[name]) for name in wanted
         )
         parameters: dict[str, Any] = {}
-        if loaded.runtime.level_name == "rules":
+        runtime = str(loaded.runtime.level_name)
+        served: dict[str, Any] = {"runtime": runtime, "output_confidence": None}
+        if runtime == "rules":
             parameters["abnormal"] = True  # a rules answer, not the model's: callers must not trust it as one
-        return InferResponse(loaded.name, loaded.version, request.id, tensors, parameters)
+        elif loaded.entropy is not None and self.telemetry is not None:
+            logits = outputs.get(str(loaded.config.outputs[0]["name"]))
+            if logits is not None and logits.ndim == 2:
+                summary = loaded.entropy.observe(logits)
+                self.telemetry.metrics.observe_entropy(
+                    loaded.name, loaded.version, summary.entropy_bits, summary.collapsed
+                )
+                served["output_confidence"] = summary.min_confidence
+                if summary.collapsed or (loaded.drift is not None and loaded.drift.alarm):
+                    served["abnormal"] = True
+        return InferResponse(loaded.name, loaded.version, request.id, tensors, parameters, served)
 
 
 def _tensor_meta(tensor: Mapping[str, Any]) -> TensorMetadata:

@@ -44,6 +44,8 @@ class RunningServer:
     grpc_port: int
     http_port: int
     loader: threading.Thread
+    tracer_provider: Any = None
+    drift_pool: Any = None
 
     def wait_ready(self, timeout: float | None = None) -> bool:
         self.loader.join(timeout)
@@ -59,6 +61,10 @@ class RunningServer:
         self.grpc_server.stop(grace).wait()
         self.dataplane.close()
         self.side.stop()
+        if self.drift_pool is not None:
+            self.drift_pool.shutdown(wait=False, cancel_futures=True)
+        if self.tracer_provider is not None:
+            self.tracer_provider.shutdown()  # flushes spans still buffered for the OTLP exporter
         log.info("server stopped")
 
 
@@ -91,7 +97,15 @@ def start(settings: ServingSettings) -> RunningServer:
     def on_fallback(model: str, version: str, level: str, index: int, reason: str) -> None:
         metrics.set_level(model, version, level, index)
 
-    plane = DataPlane(settings, scan, on_fallback=on_fallback)
+    from serving.dataplane import Telemetry
+    from serving.observability.logs import RequestLogger
+    from serving.observability.tracing import RequestTracing, setup_tracing
+
+    provider = setup_tracing(settings.tracing_exporter, settings.tracing_endpoint, settings.server_name)
+    # One thread for the drift monitors' KS tests: a few milliseconds each, never on a request thread.
+    drift_pool = futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="drift")
+    telemetry = Telemetry(metrics, RequestTracing(provider), drift_pool)
+    plane = DataPlane(settings, scan, on_fallback=on_fallback, telemetry=telemetry)
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=settings.grpc_workers, thread_name_prefix="grpc"),
         options=grpc_options(settings),
@@ -100,7 +114,12 @@ def start(settings: ServingSettings) -> RunningServer:
     token = settings.admin_token.get_secret_value() if settings.admin_token else None
     grpc_service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(  # type: ignore[no-untyped-call]
         InferenceServicer(
-            plane, metrics, name=settings.server_name, version=_version(), max_elements=settings.max_elements
+            plane,
+            metrics,
+            name=settings.server_name,
+            version=_version(),
+            max_elements=settings.max_elements,
+            request_log=RequestLogger(settings.log_sample_rate),
         ),
         server,
     )
@@ -135,7 +154,9 @@ def start(settings: ServingSettings) -> RunningServer:
 
     loader = threading.Thread(target=load, name="model-loader", daemon=True)
     loader.start()
-    return RunningServer(settings, plane, server, side, health_servicer, grpc_port, side.port, loader)
+    return RunningServer(
+        settings, plane, server, side, health_servicer, grpc_port, side.port, loader, provider, drift_pool
+    )
 
 
 def _version() -> str:
@@ -161,7 +182,10 @@ def parse_args(argv: list[str] | None = None) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> None:
     """Run until SIGTERM or SIGINT; settings from SLUICEGATE_SERVING__* with the flags on top."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    from serving.observability.logs import json_handler
+
+    # One JSON object per line (request logs and everything else), for log shippers.
+    logging.basicConfig(level=logging.INFO, handlers=[json_handler()])
     settings = ServingSettings(**parse_args(argv))
     running = start(settings)
     stop = threading.Event()

@@ -4,8 +4,10 @@ Each method converts, calls the data plane, converts back; errors are mapped by 
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import time
+import uuid
 from typing import Any
 
 import grpc
@@ -21,8 +23,17 @@ pb = grpc_service_pb2
 
 
 class InferenceServicer(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
-    def __init__(self, dataplane: DataPlane, metrics: ServerMetrics, *, name: str, version: str, max_elements: int):
-        self.plane, self.metrics = dataplane, metrics
+    def __init__(
+        self,
+        dataplane: DataPlane,
+        metrics: ServerMetrics,
+        *,
+        name: str,
+        version: str,
+        max_elements: int,
+        request_log: Any = None,
+    ):
+        self.plane, self.metrics, self.request_log = dataplane, metrics, request_log
         self.name, self.version, self.max_elements = name, version, max_elements
 
     def ServerLive(self, request: Any, context: grpc.ServicerContext) -> Any:
@@ -65,17 +76,58 @@ class InferenceServicer(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
 
     def ModelInfer(self, request: Any, context: grpc.ServicerContext) -> Any:
         start = time.perf_counter()
-        version = request.model_version
-        try:
-            parsed = converters.request_from_proto(request, max_elements=self.max_elements)
-            response = self.plane.infer(parsed)
-            version = response.model_version
-            answer = converters.response_to_proto(response, raw=parsed.raw_output)
-        except ServingError as exc:
-            self.metrics.observe(request.model_name, version, exc.code.name, time.perf_counter() - start)
-            raise
-        self.metrics.observe(request.model_name, version, "OK", time.perf_counter() - start)
+        request_id = request.id or uuid.uuid4().hex  # an empty id must not share one sampling decision
+        version, code, rows, served = request.model_version, "OK", 0, {}
+        tracing = self.plane.telemetry.tracing if self.plane.telemetry is not None else None
+        with contextlib.ExitStack() as stack:
+            if tracing is not None:
+                stack.enter_context(
+                    tracing.request(
+                        context.invocation_metadata(), model=request.model_name, version=version, request_id=request_id
+                    )
+                )
+            try:
+                parsed = converters.request_from_proto(request, max_elements=self.max_elements)
+                rows = parsed.inputs[0].shape[0] if parsed.inputs and parsed.inputs[0].shape else 0
+                response = self.plane.infer(parsed)
+                version, served = response.model_version, response.served
+                with tracing.postprocess() if tracing is not None else contextlib.nullcontext():
+                    answer = converters.response_to_proto(response, raw=parsed.raw_output)
+            except ServingError as exc:
+                code = exc.code.name
+                raise
+            except Exception:
+                code = "INTERNAL"
+                raise
+            finally:
+                elapsed = time.perf_counter() - start
+                self.metrics.observe(request.model_name, version, code, elapsed)
+                self._log(request, request_id, version, code, rows, elapsed, served)
         return answer
+
+    def _log(
+        self, request: Any, request_id: str, version: str, code: str, rows: int, elapsed: float, served: dict[str, Any]
+    ) -> None:
+        log = self.request_log
+        if log is None or not log.wanted(request_id, code):
+            return
+        from serving.observability.logs import input_hash
+        from serving.observability.tracing import current_trace_id
+
+        log.log(
+            request_id=request_id,
+            model_name=request.model_name,
+            model_version=version,
+            input_hash=input_hash(request.raw_input_contents) if request.raw_input_contents else None,
+            runtime=served.get("runtime"),
+            batch_size=rows,
+            inference_time_ms=elapsed * 1e3,
+            output_confidence=served.get("output_confidence"),
+            abnormal_flag=bool(served.get("abnormal") or served.get("runtime") == "rules"),
+            gpu_utilization=self.metrics.gpu.utilization() if hasattr(self.metrics, "gpu") else None,
+            status=code,
+            trace_id=current_trace_id(),
+        )
 
 
 class AdminServicer(admin_pb2_grpc.TrafficAdminServicer):

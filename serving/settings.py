@@ -5,6 +5,7 @@ only serving dependencies."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -46,3 +47,33 @@ class ServingSettings(BaseSettings):
     cache_dir: Path = Field(Path(".sluicegate/serving-cache"), description="Where remote repositories are copied.")
     drain_timeout_s: float = Field(20.0, ge=0, description="Grace period for in-flight requests on shutdown.")
     server_name: str = Field("sluicegate", description="Name reported by ServerMetadata.")
+    # Observability (serving/observability/): drift, output entropy, request logs, tracing.
+    drift_window: int = Field(1000, ge=1, description="Images per feature in the drift monitor's sliding window.")
+    drift_test_every: int = Field(100, ge=1, description="Images between two KS tests of the drift window.")
+    drift_min_samples: int = Field(
+        300, ge=1, description="Images in the window before the first KS test (smaller windows alarm by chance)."
+    )
+    drift_ks_threshold: float = Field(
+        0.15, gt=0, le=1, description="KS statistic above which a feature has drifted (with drift_p_threshold)."
+    )
+    drift_p_threshold: float = Field(
+        0.01, gt=0, le=1, description="KS p-value below which a drift is not chance (with drift_ks_threshold)."
+    )
+    entropy_window: int = Field(500, ge=1, description="Answered rows in the output-entropy window.")
+    entropy_min_rows: int = Field(100, ge=1, description="Rows in the entropy window before collapse is judged.")
+    entropy_collapse_std_bits: float = Field(
+        0.05, ge=0, description="Collapse when the window's entropy std (bits) is at most this and one class dominates."
+    )
+    entropy_collapse_class_share: float = Field(
+        0.95, gt=0, le=1, description="Share of the window's rows one predicted class needs for a collapse."
+    )
+    log_sample_rate: float = Field(
+        1.0, ge=0, le=1, description="Fraction of successful requests written to the JSON request log (errors: all)."
+    )
+    tracing_exporter: Literal["none", "otlp"] = Field(
+        "none", description="OpenTelemetry span export: none, or otlp (OTLP/gRPC to tracing_endpoint)."
+    )
+    tracing_endpoint: str | None = Field(
+        None,
+        description="OTLP collector for tracing_exporter=otlp, e.g. http://otel-collector:4317 (unset: localhost).",
+    )

@@ -66,6 +66,8 @@ class InferResponse:
     id: str
     outputs: tuple[Tensor, ...]
     parameters: dict[str, Any] = field(default_factory=dict)
+    # Not sent to the client: what the request log records (runtime, output_confidence).
+    served: dict[str, Any] = field(default_factory=dict, compare=False)
 
 
 @dataclass(frozen=True)

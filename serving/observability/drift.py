@@ -1,0 +1,269 @@
+"""Feature drift: a sliding window of served per-image channel means, tested against the training set's.
+
+The baseline is ``config.json``'s ``drift_baseline``, written by ``tasks.image_stats.channel_baseline``:
+``{"r": [...], "g": [...], "b": [...]}``, one value per training image, each the mean of that channel
+over the decoded uint8 RGB image, on the **0..255** scale. ``channel_means`` rebuilds the same values
+from the normalised model input, so the two samples are comparable.
+
+Thresholds and false alarms. An alarm needs both KS > ``ks_threshold`` (0.15, an effect size) and
+p < ``p_threshold`` (0.01). The p-value alone would not do: 3 features tested every 100 images is
+thousands of tests a day, and under no drift each has a 1% chance of p < 0.01, so a healthy stream would
+alarm every few thousand images (the tests count this). The KS bound is what keeps it quiet: with a full
+window (n = 1000) and a baseline of m images, a healthy stream exceeds D = 0.15 with probability about
+``2 exp(-2 * 0.15**2 * n*m/(n+m))`` per feature per test: 1e-16 for m = 5000, 3e-10 for m = 1000,
+6e-7 for m = 500. Below about m = 150 the p-value bound binds instead (D must pass ~0.17 at m = 100) and
+chance alarms come back at ~1% per test: such a baseline is too small to watch drift with. Early windows
+are the other weak spot (n = 100: ~1% per feature per test), so nothing is tested before
+``min_samples`` images (default 300: 2e-5). A stream that shifts every image, as a dark camera does,
+alarms at the first test at which more than 15% of a full window is new: 200 to 300 images after the
+shift (tests are 100 apart), or at ``min_samples`` when it starts dark.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+from collections.abc import Callable, Mapping
+from concurrent.futures import Executor
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+log = logging.getLogger(__name__)
+
+FloatArray = npt.NDArray[np.float64]
+CHANNELS = ("r", "g", "b")
+PIXEL_SCALE = 255.0  # channel_baseline's scale: means of uint8 pixel values
+
+
+@dataclass(frozen=True)
+class FeatureTest:
+    statistic: float  # two-sample KS statistic D of the window against the baseline
+    p_value: float
+
+
+@dataclass(frozen=True)
+class DriftReport:
+    """The latest tests: ``features`` is empty until the first test has run."""
+
+    features: Mapping[str, FeatureTest]
+    alarm: bool
+    window_size: int  # values per feature in the window when it was tested
+    observed: int  # values observed since the monitor started
+
+    def as_metrics(self) -> dict[str, tuple[float, float]]:
+        """feature -> (statistic, p-value), the shape ``ServerMetrics.set_drift`` takes."""
+        return {name: (test.statistic, test.p_value) for name, test in self.features.items()}
+
+
+class DriftMonitor:
+    """Sliding-window two-sample KS tests of served features against their training baseline.
+
+    ``observe`` is called from many request threads; it copies a few floats into a ring buffer under a
+    lock (tens of microseconds). Every ``test_every`` values a test is due: 3 ``ks_2samp`` calls of the
+    window against the baseline, a few milliseconds each. With an ``executor`` (one worker shared by
+    the server's monitors) they run there, so no request waits for them, and a test due while one is
+    still running is skipped; without one they run inline, in the observing thread (tests).
+
+    Args:
+        baseline: Feature name -> the training sample (``drift_baseline``). Every feature needs at least
+            one finite value.
+        window: Most recent values kept per feature.
+        test_every: Values between two tests.
+        ks_threshold: KS statistic above which a feature has drifted (with ``p_threshold``).
+        p_threshold: p-value below which the difference is not chance (with ``ks_threshold``).
+        min_samples: Values needed in the window before the first test (see the module docstring).
+        executor: Where tests run; None: inline.
+        on_report: Called with every new report, from the thread that ran the test (metrics hook in here).
+
+    Raises:
+        ValueError: an empty baseline, a feature without finite values, or a bad parameter.
+    """
+
+    def __init__(
+        self,
+        baseline: Mapping[str, Any],
+        *,
+        window: int = 1000,
+        test_every: int = 100,
+        ks_threshold: float = 0.15,
+        p_threshold: float = 0.01,
+        min_samples: int = 300,
+        executor: Executor | None = None,
+        on_report: Callable[[DriftReport], None] | None = None,
+    ) -> None:
+        if window < 1 or test_every < 1 or min_samples < 1:
+            raise ValueError(f"window, test_every and min_samples must be >= 1: {window}, {test_every}, {min_samples}")
+        if not baseline:
+            raise ValueError("drift baseline is empty: the model's config.json has no drift_baseline")
+        self._baseline: dict[str, FloatArray] = {}
+        for name, values in baseline.items():
+            array = np.asarray(values, dtype=np.float64).ravel()
+            if array.size == 0 or not np.isfinite(array).all():
+                raise ValueError(f"drift baseline feature {name!r} needs finite values, got {array.size} value(s)")
+            self._baseline[name] = array
+        self._window, self._test_every = window, test_every
+        self._ks_threshold, self._p_threshold = ks_threshold, p_threshold
+        self._min_samples = min(min_samples, window)
+        self._executor, self._on_report = executor, on_report
+        self._lock = threading.Lock()
+        self._ring = {name: np.zeros(window, dtype=np.float64) for name in self._baseline}
+        self._head = self._filled = self._observed = 0  # next slot, values held, values ever observed
+        self._next_test = max(test_every, self._min_samples)
+        self._testing = False  # a test is queued or running on the executor
+        self._report = DriftReport({}, False, 0, 0)
+
+    @property
+    def features(self) -> tuple[str, ...]:
+        return tuple(self._baseline)
+
+    @property
+    def observed(self) -> int:
+        """Values (images) observed per feature since the monitor started."""
+        return self._observed
+
+    @property
+    def report(self) -> DriftReport:
+        return self._report
+
+    @property
+    def alarm(self) -> bool:
+        return self._report.alarm
+
+    def observe(self, features: Mapping[str, npt.ArrayLike]) -> DriftReport | None:
+        """Add one request's values (one per image) for every baseline feature.
+
+        Args:
+            features: Feature name -> 1-D values, the same count for every feature; extra names are
+                ignored, missing ones are an error.
+
+        Returns:
+            The new report when this call ran the tests inline, else None.
+
+        Raises:
+            ValueError: a baseline feature is missing or the counts differ.
+        """
+        rows = self._rows(features)
+        count = next(iter(rows.values())).size
+        if count == 0:
+            return None
+        window = self._window
+        with self._lock:
+            head = self._head
+            for name, values in rows.items():
+                ring = self._ring[name]
+                if count >= window:
+                    ring[:] = values[-window:]
+                elif head + count <= window:
+                    ring[head : head + count] = values
+                else:
+                    split = window - head
+                    ring[head:] = values[:split]
+                    ring[: count - split] = values[split:]
+            self._head = 0 if count >= window else (head + count) % window
+            self._filled = min(window, self._filled + count)
+            self._observed += count
+            if self._observed < self._next_test or self._testing:
+                return None
+            self._next_test = self._observed + self._test_every
+            # A copy, in any order: the KS test does not care which value is oldest.
+            snapshot = {name: ring[: self._filled].copy() for name, ring in self._ring.items()}
+            observed = self._observed
+            self._testing = self._executor is not None
+        if self._executor is None:
+            return self._test(snapshot, observed)
+        self._executor.submit(self._test_logged, snapshot, observed)
+        return None
+
+    def _test_logged(self, window: Mapping[str, FloatArray], observed: int) -> None:
+        try:
+            self._test(window, observed)
+        except Exception:  # on the executor nobody waits for the future: say it here
+            log.exception("drift test failed; the previous report stays")
+
+    def _rows(self, features: Mapping[str, npt.ArrayLike]) -> dict[str, FloatArray]:
+        missing = [name for name in self._baseline if name not in features]
+        if missing:
+            raise ValueError(f"drift features {missing} missing; the baseline has {list(self._baseline)}")
+        rows = {name: np.asarray(features[name], dtype=np.float64).ravel() for name in self._baseline}
+        if len({values.size for values in rows.values()}) != 1:
+            counts = {name: values.size for name, values in rows.items()}
+            raise ValueError(f"drift features disagree on the number of images: {counts}")
+        return rows
+
+    def _test(self, window: Mapping[str, FloatArray], observed: int) -> DriftReport:
+        from scipy.stats import ks_2samp  # imported on the first test, not with the server
+
+        try:
+            results: dict[str, FeatureTest] = {}
+            for name, values in window.items():
+                result = ks_2samp(values, self._baseline[name])
+                statistic, p_value = float(result.statistic), float(result.pvalue)
+                results[name] = FeatureTest(statistic, p_value if math.isfinite(p_value) else 1.0)
+            alarm = any(t.statistic > self._ks_threshold and t.p_value < self._p_threshold for t in results.values())
+            report = DriftReport(results, alarm, len(next(iter(window.values()))), observed)
+            with self._lock:
+                self._report = report
+        finally:
+            with self._lock:
+                self._testing = False
+        if self._on_report is not None:
+            self._on_report(report)
+        return report
+
+
+def rgb_baseline(drift_baseline: Mapping[str, Any]) -> dict[str, list[float]] | None:
+    """The ``r``/``g``/``b`` lists of a ``config.json`` ``drift_baseline`` written by ``channel_baseline``;
+    None when it has none (older or hand-written configs): serve that version without a drift monitor."""
+    try:
+        found = {name: [float(v) for v in drift_baseline[name]] for name in CHANNELS}
+    except (KeyError, TypeError, ValueError):
+        return None
+    return found if all(found.values()) else None
+
+
+def channel_means(
+    batch: npt.ArrayLike, preprocessing: Mapping[str, Any], *, scale: float = PIXEL_SCALE
+) -> dict[str, FloatArray]:
+    """Per-image RGB channel means of a normalised NCHW model input, on the baseline's scale.
+
+    Undoes ``serving.preprocessing.preprocess``: channels are in ``preprocessing["colour"]`` order
+    ("RGB" or "BGR"), each normalised as ``(x - mean[c]) / std[c]`` with ``mean``/``std`` in RGB order.
+    The mean is linear, so the spatial mean is taken first and un-normalised after: ``mean(x) * std +
+    mean``, times ``scale``. The baseline was measured on the full-size image and this on the resized
+    one; bilinear resizing keeps the mean to within a fraction of a grey level on natural images.
+
+    Args:
+        batch: ``(N, 3, H, W)`` floats.
+        preprocessing: The model's ``config.json`` ``preprocessing`` (``PreprocessSpec.to_dict()``);
+            ``mean`` and ``std`` are required, ``colour`` defaults to "RGB".
+        scale: 255 for ``channel_baseline``'s uint8 scale, 1 for 0..1.
+
+    Returns:
+        ``{"r": (N,), "g": (N,), "b": (N,)}``.
+
+    Raises:
+        ValueError: the batch is not ``(N, 3, H, W)``, or ``preprocessing`` lacks a usable mean/std/colour.
+    """
+    array = np.asarray(batch)
+    if array.ndim != 4 or array.shape[1] != 3:
+        raise ValueError(f"channel_means needs an (N, 3, H, W) batch, got shape {array.shape}")
+    colour = preprocessing.get("colour", "RGB")
+    if colour not in ("RGB", "BGR"):
+        raise ValueError(f"preprocessing colour must be 'RGB' or 'BGR', got {colour!r}")
+    try:
+        mean = [float(v) for v in preprocessing["mean"]]
+        std = [float(v) for v in preprocessing["std"]]
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ValueError(f"preprocessing needs numeric 'mean' and 'std' (R, G, B): {exc}") from exc
+    if len(mean) != 3 or len(std) != 3:
+        raise ValueError(f"preprocessing mean and std need 3 values (R, G, B), got {mean} and {std}")
+    spatial = array.mean(axis=(2, 3), dtype=np.float64)  # (N, 3) in tensor channel order
+    order = (0, 1, 2) if colour == "RGB" else (2, 1, 0)  # tensor channel -> RGB index
+    out: dict[str, FloatArray] = {}
+    for channel, rgb in enumerate(order):
+        out[CHANNELS[rgb]] = (spatial[:, channel] * std[rgb] + mean[rgb]) * scale
+    return out

@@ -1,0 +1,213 @@
+"""Prometheus metrics of the server, on one registry per server (so several servers in one process, as in
+tests, never share series). Names carry their units.
+
+Every per-version family is labelled ``{model, version}``; ``forget(model, version)`` drops a version's
+series when it is unloaded, so a dashboard never shows a version that is gone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.metrics import MetricWrapperBase
+
+from serving.observability.gpu import GpuCollector, NvmlLoader
+
+# From 100 microseconds: a small model answers in well under a millisecond.
+LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+# Queue waits are often tens of microseconds (max_queue_delay_us=0 batches what is already queued).
+QUEUE_BUCKETS = (0.00001, 0.000025, 0.00005, *LATENCY_BUCKETS)
+BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+# Entropy of one answer in bits: 0 is one-hot, log2(classes) is uniform (2 bits for 4 classes).
+ENTROPY_BUCKETS = (0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0)
+
+_VERSION = ("model", "version")
+
+
+class BatchMetrics:
+    """The ``BatchObserver`` of one model version (``serving.batching``): batch size, queue time per
+    request and execution time per batch. Called on the batcher's worker thread; label children are
+    resolved once here, so a batch costs a few histogram updates."""
+
+    def __init__(self, size: Histogram, queue: Histogram, execution: Histogram) -> None:
+        self._size, self._queue, self._execution = size, queue, execution
+
+    def on_batch(self, batch_rows: int, queue_ns: Sequence[int], exec_ns: int, ok: bool) -> None:
+        # Failed batches count too: they occupied the runtime and their requests waited in the queue.
+        self._size.observe(batch_rows)
+        for waited in queue_ns:
+            self._queue.observe(waited / 1e9)
+        self._execution.observe(exec_ns / 1e9)
+
+
+class ServerMetrics:
+    """Every metric the server exports, on ``self.registry`` (served by the side port's ``/metrics``).
+
+    Args:
+        nvml: How to import NVML for the GPU gauges; default ``import pynvml`` (nvidia-ml-py), lazily, on
+            the first scrape. Tests pass a fake. Without NVML or a GPU the GPU families are absent.
+    """
+
+    def __init__(self, *, nvml: NvmlLoader | None = None) -> None:
+        self.registry = CollectorRegistry()
+        registry = self.registry
+        self.requests = Counter(
+            "sluicegate_inference_requests",  # exposed as sluicegate_inference_requests_total
+            "Inference requests by model, version and gRPC status code.",
+            [*_VERSION, "code"],
+            registry=registry,
+        )
+        self.latency = Histogram(
+            "sluicegate_inference_request_duration_seconds",
+            "Time from receiving an inference request to answering it (successful requests).",
+            _VERSION,
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.fallback_level = Gauge(
+            "sluicegate_runtime_fallback_level",
+            "Runtime level a model version runs on (0: the best configured; higher: fallen back).",
+            [*_VERSION, "runtime"],
+            registry=registry,
+        )
+        self.ready = Gauge("sluicegate_server_ready", "1 when every configured model is loaded.", registry=registry)
+        self.queue_duration = Histogram(
+            "sluicegate_queue_duration_seconds",
+            "Time a request waited in its version's batch queue before its batch started.",
+            _VERSION,
+            buckets=QUEUE_BUCKETS,
+            registry=registry,
+        )
+        self.batch_size = Histogram(
+            "sluicegate_batch_size",
+            "Rows in each batch the runtime ran.",
+            _VERSION,
+            buckets=BATCH_SIZE_BUCKETS,
+            registry=registry,
+        )
+        self.batch_execution = Histogram(
+            "sluicegate_batch_execution_duration_seconds",
+            "Time to run one batch: concatenate, runtime call, split.",
+            _VERSION,
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.entropy = Histogram(
+            "sluicegate_output_entropy_bits",
+            "Shannon entropy of each answered row's softmax, in bits.",
+            _VERSION,
+            buckets=ENTROPY_BUCKETS,
+            registry=registry,
+        )
+        self.entropy_collapse = Gauge(
+            "sluicegate_output_entropy_collapse",
+            "1 while the output-entropy window looks collapsed (see serving/observability/entropy.py).",
+            _VERSION,
+            registry=registry,
+        )
+        self.drift_statistic = Gauge(
+            "sluicegate_feature_drift_ks_statistic",
+            "Latest two-sample KS statistic of a feature's sliding window against the training baseline.",
+            [*_VERSION, "feature"],
+            registry=registry,
+        )
+        self.drift_p_value = Gauge(
+            "sluicegate_feature_drift_p_value",
+            "p-value of the latest KS test of a feature's window against the training baseline.",
+            [*_VERSION, "feature"],
+            registry=registry,
+        )
+        self.drift_alarm = Gauge(
+            "sluicegate_feature_drift_alarm",
+            "1 while any feature's latest KS test exceeds both drift thresholds.",
+            _VERSION,
+            registry=registry,
+        )
+        self.engine_cache_hits = Counter(
+            "sluicegate_tensorrt_engine_cache_hits",
+            "TensorRT engine cache lookups that found a built engine.",
+            _VERSION,
+            registry=registry,
+        )
+        self.engine_cache_lookups = Counter(
+            "sluicegate_tensorrt_engine_cache_lookups",
+            "TensorRT engine cache lookups (hit ratio: hits_total / lookups_total).",
+            _VERSION,
+            registry=registry,
+        )
+        self.gpu = GpuCollector(nvml)
+        registry.register(self.gpu)
+        # Every per-version family with its label names, for forget().
+        self._per_version: list[tuple[MetricWrapperBase, tuple[str, ...]]] = [
+            (self.requests, (*_VERSION, "code")),
+            (self.fallback_level, (*_VERSION, "runtime")),
+            (self.drift_statistic, (*_VERSION, "feature")),
+            (self.drift_p_value, (*_VERSION, "feature")),
+            (self.latency, _VERSION),
+            (self.queue_duration, _VERSION),
+            (self.batch_size, _VERSION),
+            (self.batch_execution, _VERSION),
+            (self.entropy, _VERSION),
+            (self.entropy_collapse, _VERSION),
+            (self.drift_alarm, _VERSION),
+            (self.engine_cache_hits, _VERSION),
+            (self.engine_cache_lookups, _VERSION),
+        ]
+
+    def observe(self, model: str, version: str, code: str, seconds: float) -> None:
+        """One answered request: counted by status code; its latency recorded when it succeeded."""
+        self.requests.labels(model, version, code).inc()
+        if code == "OK":
+            self.latency.labels(model, version).observe(seconds)
+
+    def set_level(self, model: str, version: str, runtime: str, level: int) -> None:
+        # One series per version: drop the old runtime's label set so the gauge shows only the current one.
+        _remove_matching(self.fallback_level, (*_VERSION, "runtime"), {"model": model, "version": version})
+        self.fallback_level.labels(model, version, runtime).set(level)
+
+    def batch_observer(self, model: str, version: str) -> BatchMetrics:
+        """The ``observer=`` to give this version's ``DynamicBatcher``."""
+        return BatchMetrics(
+            self.batch_size.labels(model, version),
+            self.queue_duration.labels(model, version),
+            self.batch_execution.labels(model, version),
+        )
+
+    def observe_entropy(self, model: str, version: str, bits: Iterable[float], collapsed: bool) -> None:
+        """Entropies of a request's rows and the monitor's current verdict."""
+        histogram = self.entropy.labels(model, version)
+        for value in bits:
+            histogram.observe(value)
+        self.entropy_collapse.labels(model, version).set(1 if collapsed else 0)
+
+    def set_drift(self, model: str, version: str, tests: Mapping[str, tuple[float, float]], alarm: bool) -> None:
+        """The drift monitor's latest tests: feature -> (KS statistic, p-value), and its alarm."""
+        for feature, (statistic, p_value) in tests.items():
+            self.drift_statistic.labels(model, version, feature).set(statistic)
+            self.drift_p_value.labels(model, version, feature).set(p_value)
+        self.drift_alarm.labels(model, version).set(1 if alarm else 0)
+
+    def engine_cache_lookup(self, model: str, version: str, hit: bool) -> None:
+        self.engine_cache_lookups.labels(model, version).inc()
+        if hit:
+            self.engine_cache_hits.labels(model, version).inc()
+
+    def forget(self, model: str, version: str) -> None:
+        """Drop every series of an unloaded version (request counters included); call it after the
+        version's batcher has stopped, since its ``batch_observer`` keeps writing to the dropped series."""
+        wanted = {"model": model, "version": version}
+        for family, names in self._per_version:
+            _remove_matching(family, names, wanted)
+
+
+def _remove_matching(family: MetricWrapperBase, names: Sequence[str], wanted: Mapping[str, str]) -> None:
+    """Remove every child of ``family`` (labelled ``names``) whose labels include ``wanted``."""
+    children = {
+        tuple(sample.labels[name] for name in names)
+        for metric in family.collect()
+        for sample in metric.samples
+        if all(sample.labels.get(key) == value for key, value in wanted.items())
+    }
+    for values in children:
+        family.remove(*values)
