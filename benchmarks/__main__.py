@@ -3,7 +3,12 @@
 import runpy
 import sys
 
-BENCHMARKS = ("benchmarks.event_latency", "benchmarks.data_gate_throughput", "benchmarks.training_throughput")
+BENCHMARKS = (
+    "benchmarks.event_latency",
+    "benchmarks.data_gate_throughput",
+    "benchmarks.training_throughput",
+    "benchmarks.serving_throughput",
+)
 
 if __name__ == "__main__":
     for name in BENCHMARKS:
