@@ -38,9 +38,11 @@ class SidePort:
         port: int,
         admin_token: str | None,
         server_name: str,
+        server_version: str = "0",
     ) -> None:
         handler = type("Handler", (_Handler,), {"side": self})
-        self.dataplane, self.metrics, self.admin_token, self.server_name = dataplane, metrics, admin_token, server_name
+        self.dataplane, self.metrics, self.admin_token = dataplane, metrics, admin_token
+        self.server_name, self.server_version = server_name, server_version
         self.server = ThreadingHTTPServer((host, port), handler)
         self.server.daemon_threads = True
         self.port = int(self.server.server_address[1])
@@ -99,7 +101,7 @@ class _Handler(BaseHTTPRequestHandler):
         if method == "GET" and path == "/v2":
             return (
                 200,
-                _json({"name": self.side.server_name, "version": _version(), "extensions": []}),
+                _json({"name": self.side.server_name, "version": self.side.server_version, "extensions": []}),
                 "application/json",
             )
         match = _MODEL.match(path)
@@ -202,12 +204,3 @@ def _metadata_json(meta: Any) -> dict[str, Any]:
         "inputs": tensors(meta.inputs),
         "outputs": tensors(meta.outputs),
     }
-
-
-def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("sluicegate")
-    except PackageNotFoundError:
-        return "0"

@@ -131,7 +131,13 @@ def start(settings: ServingSettings) -> RunningServer:
     if grpc_port == 0:
         raise SystemExit(f"cannot bind gRPC to {settings.host}:{settings.grpc_port} (in use?)")
     side = SidePort(
-        plane, metrics, host=settings.host, port=settings.http_port, admin_token=token, server_name=settings.server_name
+        plane,
+        metrics,
+        host=settings.host,
+        port=settings.http_port,
+        admin_token=token,
+        server_name=settings.server_name,
+        server_version=_version(),
     )
     server.start()
     side.start()
