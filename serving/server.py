@@ -104,7 +104,7 @@ def start(settings: ServingSettings) -> RunningServer:
     provider = setup_tracing(settings.tracing_exporter, settings.tracing_endpoint, settings.server_name)
     # One thread for the drift monitors' KS tests: a few milliseconds each, never on a request thread.
     drift_pool = futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="drift")
-    telemetry = Telemetry(metrics, RequestTracing(provider), drift_pool)
+    telemetry = Telemetry(metrics, RequestTracing(provider), drift_pool) if settings.telemetry else None
     plane = DataPlane(settings, scan, on_fallback=on_fallback, telemetry=telemetry)
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=settings.grpc_workers, thread_name_prefix="grpc"),
@@ -119,7 +119,7 @@ def start(settings: ServingSettings) -> RunningServer:
             name=settings.server_name,
             version=_version(),
             max_elements=settings.max_elements,
-            request_log=RequestLogger(settings.log_sample_rate),
+            request_log=RequestLogger(settings.log_sample_rate) if settings.telemetry else None,
         ),
         server,
     )

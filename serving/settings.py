@@ -47,6 +47,9 @@ class ServingSettings(BaseSettings):
     cache_dir: Path = Field(Path(".sluicegate/serving-cache"), description="Where remote repositories are copied.")
     drain_timeout_s: float = Field(20.0, ge=0, description="Grace period for in-flight requests on shutdown.")
     server_name: str = Field("sluicegate", description="Name reported by ServerMetadata.")
+    telemetry: bool = Field(
+        True, description="Drift/entropy monitors, tracing and request logs (off: request metrics only)."
+    )
     # Observability (serving/observability/): drift, output entropy, request logs, tracing.
     drift_window: int = Field(1000, ge=1, description="Images per feature in the drift monitor's sliding window.")
     drift_test_every: int = Field(100, ge=1, description="Images between two KS tests of the drift window.")

@@ -187,3 +187,25 @@ def test_a_real_prometheus_scrapes_the_server_and_answers_a_p95_query(watched: R
     finally:
         proc.terminate()
         proc.wait(15)
+
+
+def test_telemetry_off_keeps_request_metrics_only(watched: RunningServer, tmp_path: Path) -> None:
+    """The switch the overhead benchmark compares against: no monitors, spans or request logs."""
+    settings = ServingSettings(
+        repository=watched.settings.repository, grpc_port=0, http_port=0, cache_dir=tmp_path, telemetry=False
+    )
+    bare = start(settings)
+    try:
+        assert bare.wait_ready(120)
+        c = triton.InferenceServerClient(f"127.0.0.1:{bare.grpc_port}")
+        for image in preprocess(pictures(20, np.random.default_rng(5)), SPEC):
+            send(c, image[None])
+        metrics = scrape(bare)
+        ok = [v for labels, v in metrics["sluicegate_inference_requests_total"] if labels["code"] == "OK"]
+        assert ok == [20.0]
+        assert (
+            "sluicegate_feature_drift_alarm" not in metrics and "sluicegate_output_entropy_bits_bucket" not in metrics
+        )
+        assert bare.dataplane.telemetry is None
+    finally:
+        bare.stop(grace=2)
