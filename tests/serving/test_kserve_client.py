@@ -29,15 +29,6 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "kserve-client-venv.sh"
 PROBE = Path(__file__).with_name("kserve_client_probe.py")
 ROWS, SEED = 1, 7
-# What pip prints when it cannot reach the package index at all (as opposed to a failed install).
-UNREACHABLE = (
-    "Failed to establish a new connection",
-    "Temporary failure in name resolution",
-    "Name or service not known",
-    "Network is unreachable",
-    "ConnectTimeoutError",
-    "ProxyError",
-)
 
 
 @pytest.fixture(scope="module")
@@ -48,8 +39,7 @@ def kserve_python() -> Path:
     )
     if built.returncode != 0:
         tail = built.stderr[-3000:]
-        if any(sign in built.stderr for sign in UNREACHABLE):
-            pytest.skip(f"pip could not reach the package index to install kserve via {SCRIPT}:\n{tail}")
+        # No skip: `make test` builds this venv first (client-venvs); a failure here is a broken set-up.
         pytest.fail(f"{SCRIPT} could not build the kserve client venv (exit {built.returncode}):\n{tail}")
     return Path(built.stdout.strip().splitlines()[-1])
 
