@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from serving.batching import BatcherStats, DynamicBatcher
+from serving.batching import BatcherStats, DynamicBatcher, Signature, signature
 from serving.errors import InvalidInput, ModelNotFound, ModelNotReady
 from serving.model_format import ModelConfig
 from serving.settings import ServingSettings
@@ -36,11 +36,12 @@ TRITON_PLATFORMS = {"onnxruntime": "onnxruntime_onnx", "tensorrt": "tensorrt_pla
 
 @dataclass(frozen=True)
 class Telemetry:
-    """What the data plane reports to: metrics, tracing, and the thread the drift tests run on."""
+    """What the data plane reports to: metrics, tracing (None: no span is recorded, so none is made), and
+    the telemetry thread that runs the monitors and writes the request log."""
 
     metrics: Any  # serving.observability.metrics.ServerMetrics
-    tracing: Any  # serving.observability.tracing.RequestTracing
-    drift_pool: Any  # concurrent.futures.Executor
+    tracing: Any  # serving.observability.tracing.RequestTracing | None
+    pipeline: Any  # serving.observability.pipeline.TelemetryPipeline
 
 
 @dataclass
@@ -52,18 +53,18 @@ class LoadedVersion:
     runtime: Any  # serving.runtimes.fallback.FallbackRuntime
     batcher: DynamicBatcher
     loaded_at: float = field(default_factory=time.time)
-    drift: Any = None  # serving.observability.drift.DriftMonitor (None: no baseline in config.json)
-    entropy: Any = None  # serving.observability.entropy.EntropyMonitor
+    monitors: Any = None  # serving.observability.monitors.VersionMonitors (None: telemetry off)
     inputs: dict[str, tuple[str, tuple[int, ...]]] = field(default_factory=dict)  # name -> (datatype, shape)
+    outputs: dict[str, str] = field(default_factory=dict)  # name -> datatype, in the config's order
+    max_batch_size: int = 1
+    plan: Any = None  # serving.fast_infer.InputPlan, built by the gRPC servicer on first use
 
     def __post_init__(self) -> None:
         self.inputs = {
             str(t["name"]): (str(t["datatype"]), tuple(int(d) for d in t["shape"])) for t in self.config.inputs
         }
-
-    @property
-    def max_batch_size(self) -> int:
-        return int(self.config.to_dict()["batching"]["max_batch_size"])
+        self.outputs = {str(t["name"]): str(t["datatype"]) for t in self.config.outputs}
+        self.max_batch_size = int(self.config.to_dict()["batching"]["max_batch_size"])
 
 
 class DataPlane:
@@ -75,6 +76,8 @@ class DataPlane:
             verified, and ``(where, reason)`` of every one that did not.
         on_fallback: called with (model, version, level name, level index, reason) when a version's
             runtime changes level (metrics and logs hook in here).
+        telemetry: metrics, tracing and the telemetry thread; None: telemetry off.
+        metrics: the server's metrics when telemetry is off (request and engine-cache counters stay on).
     """
 
     def __init__(
@@ -84,9 +87,16 @@ class DataPlane:
         *,
         on_fallback: Callable[[str, str, str, int, str], None] | None = None,
         telemetry: Telemetry | None = None,
+        metrics: Any = None,
     ) -> None:
         self.settings = settings
         self.telemetry = telemetry
+        self._metrics = metrics
+        self._engine_cache = None
+        if settings.tensorrt_engine_cache:
+            from serving.runtimes.engine_cache import EngineCache
+
+            self._engine_cache = EngineCache(Path(settings.cache_dir) / "tensorrt-engines")
         self._scan = versions
         self._on_fallback = on_fallback
         self._lock = threading.RLock()
@@ -110,7 +120,7 @@ class DataPlane:
             self._load_version(name, version, path, config)
 
     def _load_version(self, name: str, version: str, path: Path, config: ModelConfig) -> None:
-        from serving.runtimes import load_runtime
+        from serving.runtimes import LoadOptions, load_runtime
 
         self._states[(name, version)] = RepositoryEntry(name, version, "LOADING")
 
@@ -119,6 +129,15 @@ class DataPlane:
             if self._on_fallback is not None:
                 self._on_fallback(name, version, level, index, reason)
 
+        metrics = self.telemetry.metrics if self.telemetry is not None else self._metrics
+
+        def engine_lookup(hit: bool) -> None:
+            if metrics is not None:
+                metrics.engine_cache_lookup(name, version, hit)
+
+        options = LoadOptions(
+            engine_cache=self._engine_cache, fp16=self.settings.tensorrt_fp16, on_engine_lookup=engine_lookup
+        )
         try:
             runtime = load_runtime(
                 path,
@@ -128,6 +147,7 @@ class DataPlane:
                 max_consecutive_errors=self.settings.max_consecutive_errors,
                 probe_interval_s=self.settings.probe_interval_s,
                 on_change=changed,
+                options=options,
             )
         except Exception as exc:
             log.error("%s/%s failed to load on every runtime: %s", name, version, exc)
@@ -136,6 +156,7 @@ class DataPlane:
         batching = config.to_dict()["batching"]
         delay = self.settings.max_queue_delay_us
         telemetry = self.telemetry
+        monitors = self._monitors(name, version, config)
         batcher = DynamicBatcher(
             runtime.infer,
             max_batch_size=int(batching["max_batch_size"]),
@@ -145,50 +166,56 @@ class DataPlane:
             observer=None if telemetry is None else telemetry.metrics.batch_observer(name, version),
             tracer=None if telemetry is None else telemetry.tracing,
             runtime_name=lambda: str(runtime.level_name),
+            on_outputs=None if monitors is None else monitors.on_batch,
         )
-        loaded = LoadedVersion(name, version, path, config, runtime, batcher)
-        self._attach_monitors(loaded)
+        loaded = LoadedVersion(name, version, path, config, runtime, batcher, monitors=monitors)
         self._warm_up(loaded)
         log.info("loaded %s/%s on %s (providers: %s)", name, version, runtime.level_name, ", ".join(runtime.providers))
         with self._lock:
             self._models.setdefault(name, {})[version] = loaded
             self._states[(name, version)] = RepositoryEntry(name, version, "READY")
 
-    def _attach_monitors(self, loaded: LoadedVersion) -> None:
-        """Drift (when config.json has a training baseline) and output-entropy monitors for a version."""
+    def _monitors(self, name: str, version: str, config: ModelConfig) -> Any:
+        """Drift (when config.json has a training baseline and the model an image input) and
+        output-entropy monitors of a version; None with telemetry off."""
         telemetry, s = self.telemetry, self.settings
         if telemetry is None:
-            return
+            return None
         from serving.observability.drift import DriftMonitor, rgb_baseline
         from serving.observability.entropy import EntropyMonitor
+        from serving.observability.monitors import VersionMonitors
 
-        name, version, metrics = loaded.name, loaded.version, telemetry.metrics
-        baseline = rgb_baseline(loaded.config.drift_baseline)
-        if baseline is not None and self._image_input(loaded) is not None:
-            loaded.drift = DriftMonitor(
+        metrics = telemetry.metrics
+        baseline = rgb_baseline(config.drift_baseline)
+        image = image_input({str(t["name"]): (str(t["datatype"]), tuple(t["shape"])) for t in config.inputs})
+        drift = None
+        if baseline is not None and image is not None:
+            drift = DriftMonitor(
                 baseline,
                 window=s.drift_window,
                 test_every=s.drift_test_every,
                 min_samples=s.drift_min_samples,
                 ks_threshold=s.drift_ks_threshold,
                 p_threshold=s.drift_p_threshold,
-                executor=telemetry.drift_pool,
                 on_report=lambda report: metrics.set_drift(name, version, report.as_metrics(), report.alarm),
             )
-        loaded.entropy = EntropyMonitor(
+        entropy = EntropyMonitor(
             s.entropy_window,
             min_rows=s.entropy_min_rows,
             collapse_std_bits=s.entropy_collapse_std_bits,
             collapse_class_share=s.entropy_collapse_class_share,
         )
-
-    @staticmethod
-    def _image_input(loaded: LoadedVersion) -> str | None:
-        """The NCHW image input the drift features come from (the first 4-D FP32 input with 3 channels)."""
-        for name, (datatype, shape) in loaded.inputs.items():
-            if datatype == "FP32" and len(shape) == 4 and shape[1] == 3:
-                return name
-        return None
+        return VersionMonitors(
+            name,
+            version,
+            metrics,
+            telemetry.pipeline,
+            entropy=entropy,
+            logits=str(config.outputs[0]["name"]) if config.outputs else None,
+            drift=drift,
+            image_input=image,
+            preprocessing=config.preprocessing,
+        )
 
     def _warm_up(self, loaded: LoadedVersion) -> None:
         """One batch-1 and one full batch through the runtime, so the first request pays no lazy set-up."""
@@ -323,32 +350,34 @@ class DataPlane:
     # -- inference -------------------------------------------------------------------------------
 
     def infer(self, request: InferRequest) -> InferResponse:
+        """The general path (REST, typed gRPC contents): route, validate, run, answer."""
         for attempt in (0, 1):
-            loaded = self._get(request.model_name, request.model_version or None)
-            batch = self._validate(loaded, request.inputs)
-            self._observe_drift(loaded, batch)
+            loaded = self.route(request.model_name, request.model_version)
+            batch = self.validate(loaded, request.inputs)
+            rows = next(iter(batch.values())).shape[0]
             try:
-                if self.telemetry is None:
-                    outputs = loaded.batcher.submit(batch).result()
-                else:
-                    with self.telemetry.tracing.queued() as queued:
-                        outputs = loaded.batcher.submit(batch, trace=queued).result()
+                outputs = self.run(loaded, batch, rows, signature(batch))
                 break
             except ModelNotReady:
                 # Routed to a version being unloaded between choosing it and queueing: choose again, once,
                 # unless the client asked for that very version.
                 if attempt or request.model_version:
                     raise
-        return self._response(loaded, request, outputs)
+        return self.response(loaded, request, outputs)
 
-    def _observe_drift(self, loaded: LoadedVersion, batch: Mapping[str, np.ndarray]) -> None:
-        if loaded.drift is None:
-            return
-        from serving.observability.drift import channel_means
+    def route(self, name: str, version: str = "") -> LoadedVersion:
+        """The version that serves a request: the one named, else one chosen by the traffic weights."""
+        return self._get(name, version or None)
 
-        image = self._image_input(loaded)
-        if image is not None:
-            loaded.drift.observe(channel_means(batch[image], loaded.config.preprocessing))
+    def run(
+        self, loaded: LoadedVersion, batch: dict[str, np.ndarray], rows: int, sig: Signature
+    ) -> dict[str, np.ndarray]:
+        """Run checked inputs through the version's batcher; this request's rows of every output."""
+        tracing = self.telemetry.tracing if self.telemetry is not None else None
+        if tracing is None:
+            return loaded.batcher.call(batch, rows, sig)
+        with tracing.queued() as queued:
+            return loaded.batcher.call(batch, rows, sig, trace=queued)
 
     def _get(self, name: str, version: str | None) -> LoadedVersion:
         with self._lock:
@@ -365,37 +394,13 @@ class DataPlane:
                 return found
             return versions[self.traffic.choose(name, list(versions))]
 
-    def _validate(self, loaded: LoadedVersion, inputs: Sequence[Tensor]) -> dict[str, np.ndarray]:
-        given = {t.name: t for t in inputs}
-        expected = loaded.inputs
-        missing, unknown = sorted(set(expected) - set(given)), sorted(set(given) - set(expected))
-        if missing or unknown:
-            raise InvalidInput(
-                f"model {loaded.name!r} takes inputs {sorted(expected)}; missing {missing}, unexpected {unknown}"
-            )
-        batch: dict[str, np.ndarray] = {}
-        rows: int | None = None
-        for name, (datatype, shape) in expected.items():
-            tensor = given[name]
-            if tensor.datatype != datatype:
-                raise InvalidInput(f"input {name!r}: datatype {tensor.datatype}, expected {datatype}")
-            if len(tensor.shape) != len(shape) or any(
-                want != -1 and got != want for got, want in zip(tensor.shape, shape, strict=True)
-            ):
-                raise InvalidInput(f"input {name!r}: shape {list(tensor.shape)}, expected {list(shape)} (-1: any)")
-            count = tensor.shape[0]
-            if count < 1 or count > loaded.max_batch_size:
-                raise InvalidInput(
-                    f"input {name!r}: batch of {count}, expected 1 to {loaded.max_batch_size} (max_batch_size)"
-                )
-            if rows is not None and count != rows:
-                raise InvalidInput(f"input {name!r}: batch of {count}, other inputs have {rows}")
-            rows = count
-            batch[name] = tensor.data
-        return batch
+    def validate(self, loaded: LoadedVersion, inputs: Sequence[Tensor]) -> dict[str, np.ndarray]:
+        """The request's arrays by input name, checked against the version's config."""
+        return validate_inputs(loaded.name, loaded.inputs, loaded.max_batch_size, inputs)
 
-    def _response(self, loaded: LoadedVersion, request: InferRequest, outputs: dict[str, np.ndarray]) -> InferResponse:
-        declared = {str(t["name"]): str(t["datatype"]) for t in loaded.config.outputs}
+    def response(self, loaded: LoadedVersion, request: InferRequest, outputs: dict[str, np.ndarray]) -> InferResponse:
+        """The requested outputs (all when none was named) of a run, as the protocol-agnostic answer."""
+        declared = loaded.outputs
         wanted = [o.name for o in request.outputs] or list(declared)
         unknown = [name for name in wanted if name not in outputs]
         if unknown:
@@ -405,22 +410,58 @@ class DataPlane:
         tensors = tuple(
             Tensor(name, declared.get(name, "FP32"), tuple(outputs[name].shape), outputs[name]) for name in wanted
         )
-        parameters: dict[str, Any] = {}
         runtime = str(loaded.runtime.level_name)
-        served: dict[str, Any] = {"runtime": runtime, "output_confidence": None}
-        if runtime == "rules":
-            parameters["abnormal"] = True  # a rules answer, not the model's: callers must not trust it as one
-        elif loaded.entropy is not None and self.telemetry is not None:
-            logits = outputs.get(str(loaded.config.outputs[0]["name"]))
-            if logits is not None and logits.ndim == 2:
-                summary = loaded.entropy.observe(logits)
-                self.telemetry.metrics.observe_entropy(
-                    loaded.name, loaded.version, summary.entropy_bits, summary.collapsed
-                )
-                served["output_confidence"] = summary.min_confidence
-                if summary.collapsed or (loaded.drift is not None and loaded.drift.alarm):
-                    served["abnormal"] = True
-        return InferResponse(loaded.name, loaded.version, request.id, tensors, parameters, served)
+        # A rules answer is not the model's: callers must not trust it as one.
+        parameters: dict[str, Any] = {"abnormal": True} if runtime == "rules" else {}
+        first = outputs.get(next(iter(declared))) if declared else None
+        return InferResponse(
+            loaded.name,
+            loaded.version,
+            request.id,
+            tensors,
+            parameters,
+            {"runtime": runtime, "logits": first, "monitors": loaded.monitors},
+        )
+
+
+def validate_inputs(
+    model: str,
+    expected: Mapping[str, tuple[str, tuple[int, ...]]],
+    max_batch_size: int,
+    inputs: Sequence[Tensor],
+) -> dict[str, np.ndarray]:
+    """A request's arrays by input name, checked against a version's inputs (name -> (datatype, shape
+    with -1 for free dimensions)) and batch cap; ``InvalidInput`` names the input and the expectation."""
+    given = {t.name: t for t in inputs}
+    missing, unknown = sorted(set(expected) - set(given)), sorted(set(given) - set(expected))
+    if missing or unknown:
+        raise InvalidInput(f"model {model!r} takes inputs {sorted(expected)}; missing {missing}, unexpected {unknown}")
+    batch: dict[str, np.ndarray] = {}
+    rows: int | None = None
+    for name, (datatype, shape) in expected.items():
+        tensor = given[name]
+        if tensor.datatype != datatype:
+            raise InvalidInput(f"input {name!r}: datatype {tensor.datatype}, expected {datatype}")
+        if len(tensor.shape) != len(shape) or any(
+            want != -1 and got != want for got, want in zip(tensor.shape, shape, strict=True)
+        ):
+            raise InvalidInput(f"input {name!r}: shape {list(tensor.shape)}, expected {list(shape)} (-1: any)")
+        count = tensor.shape[0]
+        if count < 1 or count > max_batch_size:
+            raise InvalidInput(f"input {name!r}: batch of {count}, expected 1 to {max_batch_size} (max_batch_size)")
+        if rows is not None and count != rows:
+            raise InvalidInput(f"input {name!r}: batch of {count}, other inputs have {rows}")
+        rows = count
+        batch[name] = tensor.data
+    return batch
+
+
+def image_input(inputs: Mapping[str, tuple[str, tuple[int, ...]]]) -> str | None:
+    """The NCHW image input drift features come from: the first 4-D FP32 input with 3 channels."""
+    for name, (datatype, shape) in inputs.items():
+        if datatype == "FP32" and len(shape) == 4 and int(shape[1]) == 3:
+            return name
+    return None
 
 
 def _tensor_meta(tensor: Mapping[str, Any]) -> TensorMetadata:

@@ -1,5 +1,5 @@
 """One error hierarchy for the server; each error carries its gRPC status (and the HTTP one for the side
-port). One interceptor maps them (serving/interceptor.py); anything else is INTERNAL, logged with its
+port). One wrapper maps them (serving/rpc_errors.py); anything else is INTERNAL, logged with its
 traceback. Messages name the field, the value and the fix."""
 
 from __future__ import annotations

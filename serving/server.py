@@ -45,7 +45,11 @@ class RunningServer:
     http_port: int
     loader: threading.Thread
     tracer_provider: Any = None
-    drift_pool: Any = None
+    telemetry: Any = None  # serving.observability.pipeline.TelemetryPipeline (None: telemetry off)
+
+    def flush_telemetry(self, timeout: float = 30.0) -> bool:
+        """Wait until the monitors and request log have processed everything answered so far."""
+        return self.telemetry is None or bool(self.telemetry.flush(timeout))
 
     def wait_ready(self, timeout: float | None = None) -> bool:
         self.loader.join(timeout)
@@ -61,23 +65,26 @@ class RunningServer:
         self.grpc_server.stop(grace).wait()
         self.dataplane.close()
         self.side.stop()
-        if self.drift_pool is not None:
-            self.drift_pool.shutdown(wait=False, cancel_futures=True)
+        if self.telemetry is not None:
+            self.telemetry.close()  # writes the log lines still queued
         if self.tracer_provider is not None:
             self.tracer_provider.shutdown()  # flushes spans still buffered for the OTLP exporter
         log.info("server stopped")
 
 
-def start(settings: ServingSettings) -> RunningServer:
-    """Start both ports at once (liveness answers during loading), then load every model in a thread."""
+def start(settings: ServingSettings, *, tracer_provider: Any = None) -> RunningServer:
+    """Start both ports at once (liveness answers during loading), then load every model in a thread.
+
+    ``tracer_provider`` replaces the one the settings describe (tests: an in-memory exporter)."""
     from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
     from serving.http import SidePort
-    from serving.interceptor import ErrorInterceptor
     from serving.metrics import ServerMetrics
+    from serving.observability.pipeline import TelemetryPipeline
     from serving.proto import admin_pb2_grpc, grpc_service_pb2_grpc
     from serving.repository import ModelRepository
-    from serving.servicer import AdminServicer, InferenceServicer
+    from serving.rpc_errors import guard_servicer
+    from serving.servicer import ADMIN_METHODS, INFERENCE_METHODS, AdminServicer, InferenceServicer
 
     if not settings.repository:
         raise SystemExit("no model repository: pass --repo PATH|s3://...|models:/name@alias")
@@ -101,29 +108,37 @@ def start(settings: ServingSettings) -> RunningServer:
     from serving.observability.logs import RequestLogger
     from serving.observability.tracing import RequestTracing, setup_tracing
 
-    provider = setup_tracing(settings.tracing_exporter, settings.tracing_endpoint, settings.server_name)
-    # One thread for the drift monitors' KS tests: a few milliseconds each, never on a request thread.
-    drift_pool = futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="drift")
-    telemetry = Telemetry(metrics, RequestTracing(provider), drift_pool) if settings.telemetry else None
-    plane = DataPlane(settings, scan, on_fallback=on_fallback, telemetry=telemetry)
+    provider = tracer_provider or setup_tracing(
+        settings.tracing_exporter, settings.tracing_endpoint, settings.server_name
+    )
+    pipeline = None
+    telemetry = None
+    if settings.telemetry:
+        # The monitors' batches and the request-log lines run on one thread, off every request's path.
+        pipeline = TelemetryPipeline(
+            settings.telemetry_max_pending, settings.telemetry_max_pending_mib * 2**20, on_drop=metrics.dropped
+        )
+        tracing = RequestTracing(provider)
+        # No exporter: no spans at all (the log's trace_id then comes from the caller's traceparent).
+        telemetry = Telemetry(metrics, tracing if tracing.recording else None, pipeline)
+    plane = DataPlane(settings, scan, on_fallback=on_fallback, telemetry=telemetry, metrics=metrics)
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=settings.grpc_workers, thread_name_prefix="grpc"),
         options=grpc_options(settings),
-        interceptors=[ErrorInterceptor()],
     )
     token = settings.admin_token.get_secret_value() if settings.admin_token else None
-    grpc_service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(  # type: ignore[no-untyped-call]
-        InferenceServicer(
-            plane,
-            metrics,
-            name=settings.server_name,
-            version=_version(),
-            max_elements=settings.max_elements,
-            request_log=RequestLogger(settings.log_sample_rate) if settings.telemetry else None,
-        ),
-        server,
+    inference = InferenceServicer(
+        plane,
+        metrics,
+        name=settings.server_name,
+        version=_version(),
+        max_elements=settings.max_elements,
+        request_log=RequestLogger(settings.log_sample_rate) if settings.telemetry else None,
     )
-    admin_pb2_grpc.add_TrafficAdminServicer_to_server(AdminServicer(plane, token), server)  # type: ignore[no-untyped-call]
+    guard_servicer(inference, "inference.GRPCInferenceService", INFERENCE_METHODS)
+    grpc_service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(inference, server)  # type: ignore[no-untyped-call]
+    admin = guard_servicer(AdminServicer(plane, token), "sluicegate.admin.TrafficAdmin", ADMIN_METHODS)
+    admin_pb2_grpc.add_TrafficAdminServicer_to_server(admin, server)  # type: ignore[no-untyped-call]
     health_servicer = health.HealthServicer()
     health_servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -161,7 +176,7 @@ def start(settings: ServingSettings) -> RunningServer:
     loader = threading.Thread(target=load, name="model-loader", daemon=True)
     loader.start()
     return RunningServer(
-        settings, plane, server, side, health_servicer, grpc_port, side.port, loader, provider, drift_pool
+        settings, plane, server, side, health_servicer, grpc_port, side.port, loader, provider, pipeline
     )
 
 

@@ -1,25 +1,40 @@
 """The gRPC servicers: KServe V2 ``inference.GRPCInferenceService`` (with Triton's ModelConfig and
 ModelStatistics extensions, so Triton's clients and perf_analyzer work) and the traffic admin service.
-Each method converts, calls the data plane, converts back; errors are mapped by the interceptor."""
+Each method converts, calls the data plane, converts back; errors are mapped by serving/rpc_errors.py.
+ModelInfer takes the fast path of serving/fast_infer.py for requests of the common form."""
 
 from __future__ import annotations
 
 import contextlib
 import hmac
+import secrets
 import time
-import uuid
 from typing import Any
 
 import grpc
 
-from serving import converters, converters_meta
+from serving import converters, converters_meta, fast_infer
 from serving.batching import BatcherStats
 from serving.dataplane import DataPlane
-from serving.errors import ServingError, Unauthenticated
+from serving.errors import ModelNotReady, ServingError, Unauthenticated
 from serving.metrics import ServerMetrics
 from serving.proto import admin_pb2, admin_pb2_grpc, grpc_service_pb2, grpc_service_pb2_grpc
 
 pb = grpc_service_pb2
+INFERENCE_METHODS = [
+    "ServerLive",
+    "ServerReady",
+    "ModelReady",
+    "ServerMetadata",
+    "ModelMetadata",
+    "ModelConfig",
+    "ModelStatistics",
+    "RepositoryIndex",
+    "RepositoryModelLoad",
+    "RepositoryModelUnload",
+    "ModelInfer",
+]
+ADMIN_METHODS = ["SetTrafficWeights", "GetTrafficWeights"]
 
 
 class InferenceServicer(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
@@ -33,7 +48,12 @@ class InferenceServicer(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
         max_elements: int,
         request_log: Any = None,
     ):
-        self.plane, self.metrics, self.request_log = dataplane, metrics, request_log
+        self.plane, self.metrics = dataplane, metrics
+        telemetry = dataplane.telemetry
+        self.tracing: Any = telemetry.tracing if telemetry is not None else None
+        self.pipeline: Any = telemetry.pipeline if telemetry is not None else None
+        # The request log runs on the telemetry thread: without telemetry there is none.
+        self.request_log: Any = request_log if self.pipeline is not None else None
         self.name, self.version, self.max_elements = name, version, max_elements
 
     def ServerLive(self, request: Any, context: grpc.ServicerContext) -> Any:
@@ -76,58 +96,136 @@ class InferenceServicer(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
 
     def ModelInfer(self, request: Any, context: grpc.ServicerContext) -> Any:
         start = time.perf_counter()
-        request_id = request.id or uuid.uuid4().hex  # an empty id must not share one sampling decision
-        version, code, rows, served = request.model_version, "OK", 0, {}
-        tracing = self.plane.telemetry.tracing if self.plane.telemetry is not None else None
+        model, version = request.model_name, request.model_version
+        request_id = request.id or secrets.token_hex(16)  # an empty id must not share one sampling decision
+        served = _Served()
+        tracing = self.tracing
         with contextlib.ExitStack() as stack:
             if tracing is not None:
-                stack.enter_context(
-                    tracing.request(
-                        context.invocation_metadata(), model=request.model_name, version=version, request_id=request_id
-                    )
-                )
+                metadata = context.invocation_metadata()
+                stack.enter_context(tracing.request(metadata, model=model, version=version, request_id=request_id))
             try:
-                parsed = converters.request_from_proto(request, max_elements=self.max_elements)
-                rows = parsed.inputs[0].shape[0] if parsed.inputs and parsed.inputs[0].shape else 0
-                response = self.plane.infer(parsed)
-                version, served = response.model_version, response.served
-                with tracing.postprocess() if tracing is not None else contextlib.nullcontext():
-                    answer = converters.response_to_proto(response, raw=parsed.raw_output)
+                return self._infer(request, served, tracing)
             except ServingError as exc:
-                code = exc.code.name
+                served.code = exc.code.name
                 raise
             except Exception:
-                code = "INTERNAL"
+                served.code = "INTERNAL"
                 raise
             finally:
                 elapsed = time.perf_counter() - start
-                self.metrics.observe(request.model_name, version, code, elapsed)
-                self._log(request, request_id, version, code, rows, elapsed, served)
-        return answer
+                self.metrics.observe(model, served.version or version, served.code, elapsed)
+                log = self.request_log
+                if log is not None and log.wanted(request_id, served.code):
+                    self._log(request, context, request_id, served, elapsed)
+
+    def _infer(self, request: Any, served: _Served, tracing: Any) -> Any:
+        model, version = request.model_name, request.model_version
+        for attempt in (0, 1):
+            loaded = self.plane.route(model, version)
+            plan = loaded.plan or self._plan(loaded)
+            decoded = plan.decode(request, self.max_elements)
+            if decoded is None:  # anything but the common form: the general path and its named errors
+                return self._general(request, served, tracing)
+            inputs, served.rows, sig = decoded
+            try:
+                outputs = self.plane.run(loaded, inputs, served.rows, sig)
+                break
+            except ModelNotReady:
+                # Routed to a version being unloaded between choosing and queueing: choose again, once,
+                # unless the client asked for that very version.
+                if attempt or version:
+                    raise
+        runtime = str(loaded.runtime.level_name)
+        served.version, served.runtime, served.monitors = loaded.version, runtime, loaded.monitors
+        if loaded.outputs:
+            served.logits = outputs.get(next(iter(loaded.outputs)))
+        with tracing.postprocess() if tracing is not None else contextlib.nullcontext():
+            return fast_infer.raw_response(
+                model,
+                loaded.version,
+                request.id,
+                plan.wanted_outputs(request),
+                plan.outputs,
+                outputs,
+                {"abnormal": True} if runtime == "rules" else None,  # not the model's answer: do not trust it
+            )
+
+    def _plan(self, loaded: Any) -> fast_infer.InputPlan:
+        loaded.plan = fast_infer.InputPlan(loaded.inputs, loaded.outputs, loaded.max_batch_size)
+        return loaded.plan  # type: ignore[no-any-return]
+
+    def _general(self, request: Any, served: _Served, tracing: Any) -> Any:
+        """Typed contents, BYTES, parameters, another input order, or a mistake (refused here, named)."""
+        parsed = converters.request_from_proto(request, max_elements=self.max_elements)
+        served.rows = _rows(request)
+        response = self.plane.infer(parsed)
+        served.version, served.runtime = response.model_version, response.served.get("runtime")
+        served.logits, served.monitors = response.served.get("logits"), response.served.get("monitors")
+        with tracing.postprocess() if tracing is not None else contextlib.nullcontext():
+            return converters.response_to_proto(response, raw=parsed.raw_output)
 
     def _log(
-        self, request: Any, request_id: str, version: str, code: str, rows: int, elapsed: float, served: dict[str, Any]
+        self, request: Any, context: grpc.ServicerContext, request_id: str, served: _Served, elapsed: float
     ) -> None:
-        log = self.request_log
-        if log is None or not log.wanted(request_id, code):
-            return
-        from serving.observability.logs import input_hash
-        from serving.observability.tracing import current_trace_id
+        """Queue the request's log line: the input hash and the JSON are made on the telemetry thread."""
+        from serving.observability.tracing import current_trace_id, incoming_trace_id
 
-        log.log(
-            request_id=request_id,
-            model_name=request.model_name,
-            model_version=version,
-            input_hash=input_hash(request.raw_input_contents) if request.raw_input_contents else None,
-            runtime=served.get("runtime"),
-            batch_size=rows,
-            inference_time_ms=elapsed * 1e3,
-            output_confidence=served.get("output_confidence"),
-            abnormal_flag=bool(served.get("abnormal") or served.get("runtime") == "rules"),
+        trace = current_trace_id() if self.tracing is not None else incoming_trace_id(context.invocation_metadata())
+        fields = {
+            "request_id": request_id,
+            "model_name": request.model_name,
+            "model_version": served.version or request.model_version,
+            "runtime": served.runtime if served.code == "OK" else None,
+            "batch_size": served.rows or _rows(request),
+            "inference_time_ms": elapsed * 1e3,
+            "status": served.code,
+            "trace_id": trace,
+        }
+        size = sum(len(buffer) for buffer in request.raw_input_contents) or request.ByteSize()
+        self.pipeline.submit("log", self._write_log, fields, request, served.logits, served.monitors, size=size)
+
+    def _write_log(self, fields: dict[str, Any], request: Any, logits: Any, monitors: Any) -> None:
+        from serving.observability.logs import input_hash
+        from serving.observability.monitors import min_confidence
+
+        raw = request.raw_input_contents
+        self.request_log.log(
+            **fields,
+            input_hash=input_hash(raw) if raw else _typed_hash(request),
+            output_confidence=min_confidence(logits),
+            abnormal_flag=fields["runtime"] == "rules" or bool(monitors is not None and monitors.abnormal),
             gpu_utilization=self.metrics.gpu.utilization() if hasattr(self.metrics, "gpu") else None,
-            status=code,
-            trace_id=current_trace_id(),
         )
+
+
+class _Served:
+    """What one ModelInfer call learned on the way, for its metrics and its log line."""
+
+    __slots__ = ("code", "logits", "monitors", "rows", "runtime", "version")
+
+    def __init__(self) -> None:
+        self.code = "OK"
+        self.rows = 0
+        self.version = ""
+        self.runtime: str | None = None
+        self.logits: Any = None
+        self.monitors: Any = None
+
+
+def _rows(request: Any) -> int:
+    return int(request.inputs[0].shape[0]) if request.inputs and request.inputs[0].shape else 0
+
+
+def _typed_hash(request: Any) -> str | None:
+    """The input hash of a request sent with typed contents: its decoded arrays, hashed as raw bytes."""
+    from serving.observability.logs import input_hash
+
+    try:
+        parsed = converters.request_from_proto(request)
+    except ServingError:
+        return None  # a request refused at decoding has no inputs to speak of
+    return input_hash(tensor.data for tensor in parsed.inputs)
 
 
 class AdminServicer(admin_pb2_grpc.TrafficAdminServicer):

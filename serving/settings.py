@@ -34,6 +34,12 @@ class ServingSettings(BaseSettings):
     runtime_order: tuple[str, ...] = Field(
         ("tensorrt", "onnxruntime", "rules"), description="Runtimes tried per model version, best first."
     )
+    tensorrt_engine_cache: bool = Field(
+        True,
+        description="Build TensorRT engines from model.onnx where model.plan is missing or built for another "
+        "GPU/TensorRT, cached under cache_dir/tensorrt-engines (a volume shared by pods of one GPU type).",
+    )
+    tensorrt_fp16: bool = Field(True, description="FP16 kernels in engines built here, where the GPU has fast FP16.")
     ort_threads: int = Field(1, ge=0, description="ONNX Runtime intra-op threads per session (0: all cores).")
     max_consecutive_errors: int = Field(5, ge=1, description="Runtime errors in a row before dropping a level.")
     probe_interval_s: float = Field(30.0, ge=0, description="How often a fallen-back model retries its better runtime.")
@@ -49,6 +55,14 @@ class ServingSettings(BaseSettings):
     server_name: str = Field("sluicegate", description="Name reported by ServerMetadata.")
     telemetry: bool = Field(
         True, description="Drift/entropy monitors, tracing and request logs (off: request metrics only)."
+    )
+    telemetry_max_pending: int = Field(
+        10_000,
+        ge=1,
+        description="Monitor batches and log lines queued for the telemetry thread before new ones are dropped.",
+    )
+    telemetry_max_pending_mib: int = Field(
+        64, ge=0, description="Request inputs (MiB) queued log lines may hold before new lines are dropped."
     )
     # Observability (serving/observability/): drift, output entropy, request logs, tracing.
     drift_window: int = Field(1000, ge=1, description="Images per feature in the drift monitor's sliding window.")

@@ -9,8 +9,6 @@ CPU machines never import TensorRT.
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import json
 import logging
 import shutil
 import time
@@ -26,13 +24,20 @@ import numpy.typing as npt
 import onnx
 import torch
 
+from serving.runtimes.engine_cache import (
+    DEFAULT_WORKSPACE_BYTES,
+    EngineCache,
+    build_plan,
+    engine_key,
+    fast_fp16,
+    trt_version,
+)
 from sluicegate.ids import sha256_file
 from tasks.verdicts import Check, GateVerdict
 
 logger = logging.getLogger(__name__)
 
 GATE = "convert"
-DEFAULT_WORKSPACE_BYTES = 1 << 30
 
 
 class ConversionError(Exception):
@@ -307,18 +312,6 @@ def tensorrt_available() -> tuple[bool, str]:
     return True, f"TensorRT {version} on {gpu}"
 
 
-def engine_key(onnx_sha256: str, trt_version: str, gpu_name: str, precision: str, profile: tuple[int, int, int]) -> str:
-    """The cache key of an engine: an engine only runs on the TensorRT version and GPU it was built for."""
-    fields = {
-        "onnx_sha256": onnx_sha256,
-        "tensorrt": trt_version,
-        "gpu": gpu_name,
-        "precision": precision,
-        "profile": list(profile),
-    }
-    return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
-
-
 def build_tensorrt_engine(
     onnx_path: Path,
     out_path: Path,
@@ -363,21 +356,14 @@ def build_tensorrt_engine(
     if not available:
         return EngineOutcome(False, None, why, False, requested, None, None)
 
-    import tensorrt as trt
-
-    trt_logger = trt.Logger(trt.Logger.WARNING)
-    builder = trt.Builder(trt_logger)
-    precision = "fp16" if fp16 and getattr(builder, "platform_has_fast_fp16", True) else "fp32"
-    key = engine_key(sha256_file(onnx_path), str(trt.__version__), torch.cuda.get_device_name(0), precision, profile)
-    cached = cache_dir / f"{key}.plan"
-    cache_hit = cached.is_file()
-    if cache_hit:
-        logger.info("TensorRT engine cache hit %s", cached)
-    else:
-        plan, error = _build_plan(trt, builder, trt_logger, onnx_path, profile, precision, workspace_bytes)
-        if plan is None:
-            return EngineOutcome(False, None, error, False, precision, key, None)
-        _write_atomic(cached, plan)
+    # The server's engine cache code (same key, same builder), so an engine built here is a hit there.
+    precision = "fp16" if fp16 and fast_fp16() else "fp32"
+    key = engine_key(sha256_file(onnx_path), trt_version(), torch.cuda.get_device_name(0), precision, profile)
+    cached, cache_hit, error = EngineCache(cache_dir).get(
+        key, lambda: build_plan(onnx_path, profile, precision, workspace_bytes)
+    )
+    if cached is None:
+        return EngineOutcome(False, None, error, False, precision, key, None)
     _copy_atomic(cached, out_path)
     reason = f"engine {'reused from cache' if cache_hit else 'built'} ({precision}, profile {profile})"
     if parity_batch is None or reference_logits is None:
@@ -401,54 +387,6 @@ def build_tensorrt_engine(
 def _check_profile(profile: tuple[int, int, int]) -> None:
     if len(profile) != 3 or not (1 <= profile[0] <= profile[1] <= profile[2]):
         raise ValueError(f"profile must be (min, opt, max) batch sizes with 1 <= min <= opt <= max, got {profile}")
-
-
-def _build_plan(
-    trt: Any,
-    builder: Any,
-    trt_logger: Any,
-    onnx_path: Path,
-    profile: tuple[int, int, int],
-    precision: str,
-    workspace_bytes: int,
-) -> tuple[bytes | None, str]:
-    """Parse the ONNX file and build a serialized engine; (None, reason) on failure."""
-    with warnings.catch_warnings():
-        # TensorRT 10.x deprecates weakly typed networks (the FP16 flag); still the documented way here.
-        warnings.simplefilter("ignore", DeprecationWarning)
-        flags = 0
-        explicit = getattr(trt.NetworkDefinitionCreationFlag, "EXPLICIT_BATCH", None)
-        if explicit is not None and int(str(trt.__version__).split(".")[0]) < 10:
-            flags = 1 << int(explicit)  # TensorRT 8/9; explicit batch is the only mode in TensorRT 10
-        network = builder.create_network(flags)
-        parser = trt.OnnxParser(network, trt_logger)
-        if not parser.parse_from_file(str(onnx_path)):
-            errors = "; ".join(str(parser.get_error(i)) for i in range(parser.num_errors))
-            return None, f"TensorRT could not parse {onnx_path.name}: {errors}"
-        config = builder.create_builder_config()
-        config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, workspace_bytes)
-        optimisation = builder.create_optimization_profile()
-        for index in range(network.num_inputs):
-            tensor = network.get_input(index)
-            rest = tuple(tensor.shape)[1:]
-            if any(dim < 0 for dim in rest):
-                return (
-                    None,
-                    f"input {tensor.name!r} has dynamic non-batch dims {tuple(tensor.shape)}: only batch may vary",
-                )
-            optimisation.set_shape(tensor.name, *[(size, *rest) for size in profile])
-        config.add_optimization_profile(optimisation)
-        if precision == "fp16":
-            config.set_flag(trt.BuilderFlag.FP16)
-        elif hasattr(trt.BuilderFlag, "TF32"):
-            # TF32 is on by default on Ampere and later: ~1e-3 error, far above the fp32 parity bound.
-            config.clear_flag(trt.BuilderFlag.TF32)
-        started = time.perf_counter()
-        serialized = builder.build_serialized_network(network, config)
-    if serialized is None:
-        return None, "TensorRT build_serialized_network returned nothing (see the TensorRT log above)"
-    logger.info("TensorRT engine built in %.1f s (%s, profile %s)", time.perf_counter() - started, precision, profile)
-    return bytes(serialized), ""
 
 
 _TRT_TO_TORCH = {"FLOAT": torch.float32, "HALF": torch.float16, "INT32": torch.int32, "INT64": torch.int64}
@@ -484,16 +422,6 @@ def run_engine(plan: bytes, batch: npt.NDArray[np.float32], *, max_batch: int) -
         stream.synchronize()
         outputs.append(out.float().cpu().numpy())
     return np.concatenate(outputs).astype(np.float32, copy=False)
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(f".{path.name}.{uuid.uuid4().hex}.partial")
-    try:
-        partial.write_bytes(data)
-        partial.replace(path)
-    finally:
-        partial.unlink(missing_ok=True)
 
 
 def _copy_atomic(source: Path, target: Path) -> None:

@@ -8,6 +8,7 @@ series when it is unloaded, so a dashboard never shows a version that is gone.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.metrics import MetricWrapperBase
@@ -136,8 +137,15 @@ class ServerMetrics:
             _VERSION,
             registry=registry,
         )
+        self.telemetry_dropped = Counter(
+            "sluicegate_telemetry_dropped",
+            "Monitor batches and request-log lines dropped because the telemetry thread fell behind.",
+            ["kind"],
+            registry=registry,
+        )
         self.gpu = GpuCollector(nvml)
         registry.register(self.gpu)
+        self._children: dict[tuple[str, str, str], tuple[Any, Any]] = {}
         # Every per-version family with its label names, for forget().
         self._per_version: list[tuple[MetricWrapperBase, tuple[str, ...]]] = [
             (self.requests, (*_VERSION, "code")),
@@ -157,9 +165,19 @@ class ServerMetrics:
 
     def observe(self, model: str, version: str, code: str, seconds: float) -> None:
         """One answered request: counted by status code; its latency recorded when it succeeded."""
-        self.requests.labels(model, version, code).inc()
-        if code == "OK":
-            self.latency.labels(model, version).observe(seconds)
+        # The label children are looked up once per (model, version, code): labels() costs more than
+        # the increment itself, on every request.
+        children = self._children.get((model, version, code))
+        if children is None:
+            latency = self.latency.labels(model, version) if code == "OK" else None
+            children = self._children[(model, version, code)] = (self.requests.labels(model, version, code), latency)
+        children[0].inc()
+        if children[1] is not None:
+            children[1].observe(seconds)
+
+    def dropped(self, kind: str) -> None:
+        """The telemetry pipeline's ``on_drop``."""
+        self.telemetry_dropped.labels(kind).inc()
 
     def set_level(self, model: str, version: str, runtime: str, level: int) -> None:
         # One series per version: drop the old runtime's label set so the gauge shows only the current one.
@@ -197,6 +215,8 @@ class ServerMetrics:
         """Drop every series of an unloaded version (request counters included); call it after the
         version's batcher has stopped, since its ``batch_observer`` keeps writing to the dropped series."""
         wanted = {"model": model, "version": version}
+        for key in [key for key in self._children if key[:2] == (model, version)]:
+            self._children.pop(key, None)
         for family, names in self._per_version:
             _remove_matching(family, names, wanted)
 

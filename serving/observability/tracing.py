@@ -90,6 +90,13 @@ def trace_id(span: Span) -> str | None:
     return trace.format_trace_id(span_context.trace_id) if span_context.is_valid else None
 
 
+def incoming_trace_id(metadata: Iterable[tuple[str, Any]] | None) -> str | None:
+    """The caller's trace id from its W3C ``traceparent`` metadata (32 hex digits), or None; what the
+    request log records when the server itself records no spans."""
+    span_context = trace.get_current_span(extract_context(metadata)).get_span_context()
+    return trace.format_trace_id(span_context.trace_id) if span_context.is_valid else None
+
+
 def current_trace_id() -> str | None:
     """The trace id of the span current in this thread (inside ``RequestTracing.request``), or None."""
     return trace_id(trace.get_current_span())
@@ -122,6 +129,8 @@ class RequestTracing:
 
     def __init__(self, provider: trace.TracerProvider) -> None:
         self._tracer = provider.get_tracer("serving")
+        # False for setup_tracing("none"): its spans are never recorded, so the server makes none at all.
+        self.recording = getattr(provider, "sampler", None) is not ALWAYS_OFF
 
     @contextmanager
     def request(

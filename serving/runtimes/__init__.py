@@ -5,12 +5,17 @@ routing and fallback stay outside it. Implementations are imported lazily by nam
 imports TensorRT.
 
 ``load_runtime`` builds the fallback chain of a version: TensorRT (``model.plan``) -> ONNX Runtime
-(``model.onnx``) -> rules (``rules.json``), keeping the levels whose file the version has.
+(``model.onnx``) -> rules (``rules.json``), keeping the levels whose file the version has. With an
+engine cache (serving/runtimes/engine_cache.py) the TensorRT level also covers a version whose
+``model.plan`` this host cannot deserialize, or that has none, by building the engine from ``model.onnx``.
 """
 
 from __future__ import annotations
 
+import importlib.util
+import logging
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
@@ -20,7 +25,10 @@ import numpy.typing as npt
 
 if TYPE_CHECKING:
     from serving.model_format import ModelConfig
+    from serving.runtimes.engine_cache import EngineCache
     from serving.runtimes.fallback import FallbackRuntime
+
+log = logging.getLogger(__name__)
 
 Array = npt.NDArray[np.generic]
 
@@ -47,30 +55,70 @@ class Runtime(Protocol):
     def close(self) -> None: ...
 
 
-def _tensorrt(path: Path, config: ModelConfig, ort_threads: int) -> Runtime:
+@dataclass(frozen=True)
+class LoadOptions:
+    """How the loaders build runtimes (from the server's settings)."""
+
+    ort_threads: int = 1
+    engine_cache: EngineCache | None = None  # None: TensorRT only from a model.plan that deserializes
+    fp16: bool = True  # precision of engines built on this host, where the GPU has fast FP16
+    on_engine_lookup: Callable[[bool], None] | None = None  # engine cache hit (True) or miss (False)
+
+
+def _tensorrt(path: Path, config: ModelConfig, options: LoadOptions) -> Runtime:
+    from serving.errors import RuntimeFailure
     from serving.runtimes.tensorrt import TensorRTRuntime
 
-    return TensorRTRuntime(path)
+    onnx = path.with_name("model.onnx")
+    cache = options.engine_cache
+    if path.is_file():
+        try:
+            return TensorRTRuntime(path)
+        except RuntimeFailure as exc:
+            if cache is None or not onnx.is_file() or "deserialize" not in str(exc):
+                raise
+            log.warning("%s; building the engine for this host from %s", exc, onnx.name)
+    if cache is None:
+        raise RuntimeFailure(f"{path} is missing and no engine cache is configured to build one from model.onnx")
+    from serving.runtimes.engine_cache import cached_engine
+
+    max_batch = int(config.to_dict()["batching"]["max_batch_size"])
+    plan = cached_engine(onnx, max_batch, cache, fp16=options.fp16, on_lookup=options.on_engine_lookup)
+    return TensorRTRuntime(plan)
 
 
-def _onnxruntime(path: Path, config: ModelConfig, ort_threads: int) -> Runtime:
+def _onnxruntime(path: Path, config: ModelConfig, options: LoadOptions) -> Runtime:
     from serving.runtimes.onnxruntime import OnnxRuntime
 
-    return OnnxRuntime(path, intra_op_threads=ort_threads)
+    return OnnxRuntime(path, intra_op_threads=options.ort_threads)
 
 
-def _rules(path: Path, config: ModelConfig, ort_threads: int) -> Runtime:
+def _rules(path: Path, config: ModelConfig, options: LoadOptions) -> Runtime:
     from serving.runtimes.rules import RulesRuntime
 
     return RulesRuntime(path, outputs=config.outputs)
 
 
 # name -> (file it loads, loader). The file names match serving.model_format.PLATFORMS.
-LOADERS: dict[str, tuple[str, Callable[[Path, ModelConfig, int], Runtime]]] = {
+LOADERS: dict[str, tuple[str, Callable[[Path, ModelConfig, LoadOptions], Runtime]]] = {
     "tensorrt": ("model.plan", _tensorrt),
     "onnxruntime": ("model.onnx", _onnxruntime),
     "rules": ("rules.json", _rules),
 }
+
+
+def _has_level(name: str, version_dir: Path, options: LoadOptions) -> bool:
+    """A level is tried when the version has its file; TensorRT also when an engine can be built here
+    (an engine cache, model.onnx, and TensorRT installed: on a CPU host that stays quiet)."""
+    if (version_dir / LOADERS[name][0]).is_file():
+        return True
+    return (
+        name == "tensorrt"
+        and options.engine_cache is not None
+        and (version_dir / "model.onnx").is_file()
+        and importlib.util.find_spec("tensorrt") is not None
+    )
+
 
 # Probe batches are zeros of the input's type; types outside this table probe as float32.
 _PROBE_DTYPES: dict[str, type[np.generic]] = {
@@ -105,6 +153,7 @@ def load_runtime(
     max_consecutive_errors: int = 5,
     probe_interval_s: float = 30.0,
     on_change: Callable[[str, int, str], None] | None = None,
+    options: LoadOptions | None = None,
 ) -> FallbackRuntime:
     """The fallback chain of a verified version folder, loaded at its best working level.
 
@@ -116,6 +165,7 @@ def load_runtime(
         max_consecutive_errors: runtime errors in a row that drop one level.
         probe_interval_s: how often a fallen-back version retries its better levels (0: never).
         on_change: called with (level name, level index, reason) on every level change.
+        options: engine cache and precision for the TensorRT level (``ort_threads`` wins over its own).
 
     Raises:
         RuntimeFailure: an unknown runtime name in ``order``, the version has none of the files the
@@ -127,10 +177,12 @@ def load_runtime(
     unknown = [name for name in order if name not in LOADERS]
     if unknown:
         raise RuntimeFailure(f"unknown runtimes {unknown} in the runtime order; known: {sorted(LOADERS)}")
+    chosen = options or LoadOptions()
+    chosen = LoadOptions(ort_threads, chosen.engine_cache, chosen.fp16, chosen.on_engine_lookup)
     levels = [
-        (name, partial(LOADERS[name][1], version_dir / LOADERS[name][0], config, ort_threads))
+        (name, partial(LOADERS[name][1], version_dir / LOADERS[name][0], config, chosen))
         for name in order
-        if (version_dir / LOADERS[name][0]).is_file()
+        if _has_level(name, version_dir, chosen)
     ]
     if not levels:
         wanted = ", ".join(LOADERS[name][0] for name in order)

@@ -14,7 +14,7 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
-from serving.batching import DynamicBatcher
+from serving.batching import DynamicBatcher, signature
 from serving.errors import InvalidInput, ModelNotReady, Overloaded, RuntimeFailure
 
 Array = npt.NDArray[Any]
@@ -395,3 +395,59 @@ def test_bad_configuration_is_refused(option: str, value: int) -> None:
     options[option] = value
     with pytest.raises(ValueError, match=option):
         DynamicBatcher(triple, **options)
+
+
+def test_call_blocks_for_its_own_rows_and_mixes_with_submit(batchers: list[DynamicBatcher]) -> None:
+    """The server's hot path (``call``, one lock per request) batches with futures and keeps rows apart."""
+    seen: list[tuple[dict[str, Array], dict[str, Array]]] = []
+    batcher = make(batchers, max_batch_size=8, on_outputs=lambda i, o: seen.append((i, o)))
+    problems: list[str] = []
+
+    def caller(index: int) -> None:
+        for seq in range(20):
+            x = rows_for(index, seq, 1 + seq % 2)
+            out = batcher.call({"x": x}, len(x), signature({"x": x}))
+            if not np.array_equal(out["y"], x * 3):
+                problems.append(f"caller {index} seq {seq}: {out['y']} for {x}")
+
+    threads = [threading.Thread(target=caller, args=(i,)) for i in range(16)]
+    for thread in threads:
+        thread.start()
+    futures = [batcher.submit({"x": rows_for(99, seq, 1)}) for seq in range(10)]
+    for thread in threads:
+        thread.join(30)
+    assert all(np.array_equal(f.result(5)["y"], rows_for(99, seq, 1) * 3) for seq, f in enumerate(futures))
+    assert problems == []
+    assert batcher.stop(timeout=5)
+    # The hook saw every successful batch: its inputs and outputs, row for row.
+    assert sum(len(inputs["x"]) for inputs, _ in seen) == batcher.stats().rows == 16 * 30 + 10
+    for inputs, outputs in seen:
+        np.testing.assert_array_equal(outputs["y"], inputs["x"] * 3)
+
+
+def test_call_raises_the_batch_error_and_refuses_a_bad_row_count(batchers: list[DynamicBatcher]) -> None:
+    def broken(inputs: dict[str, Array]) -> dict[str, Array]:
+        raise RuntimeError("engine lost")
+
+    hooked: list[Any] = []
+    batcher = make(batchers, broken, max_batch_size=2, on_outputs=lambda i, o: hooked.append(i))
+    x = rows_for(1, 0, 1)
+    with pytest.raises(RuntimeError, match="engine lost"):
+        batcher.call({"x": x}, 1, signature({"x": x}))
+    assert hooked == []  # failed batches are not monitored
+    three = rows_for(1, 1, 3)
+    with pytest.raises(InvalidInput, match="batch size 3; expected 1 to 2"):
+        batcher.call({"x": three}, 3, signature({"x": three}))
+    assert batcher.stop(timeout=5)
+    with pytest.raises(ModelNotReady):
+        batcher.call({"x": x}, 1, signature({"x": x}))
+
+
+def test_a_failing_output_hook_does_not_stop_batching(batchers: list[DynamicBatcher]) -> None:
+    def broken_hook(inputs: dict[str, Array], outputs: dict[str, Array]) -> None:
+        raise ValueError("monitor bug")
+
+    batcher = make(batchers, on_outputs=broken_hook)
+    for seq in range(3):
+        x = rows_for(2, seq, 1)
+        assert np.array_equal(batcher.call({"x": x}, 1, signature({"x": x}))["y"], x * 3)

@@ -73,7 +73,7 @@ def alarm(server: RunningServer) -> float:
 
 def settle(server: RunningServer) -> None:
     """Let the drift thread finish the KS tests already handed to it."""
-    server.drift_pool.submit(lambda: None).result(timeout=30)
+    assert server.flush_telemetry(30)
 
 
 def test_drift_stays_quiet_in_distribution_then_fires_on_a_dark_stream(watched: RunningServer) -> None:
@@ -127,6 +127,7 @@ def test_request_logs_are_json_with_every_field_and_the_callers_trace_id(watched
         c = triton.InferenceServerClient(f"127.0.0.1:{watched.grpc_port}")
         x = preprocess(pictures(2, np.random.default_rng(3)), SPEC)
         send(c, x, headers={"traceparent": f"00-{trace_id}-00f067aa0ba902b7-01"})
+        assert watched.flush_telemetry(30)  # lines are written on the telemetry thread, after the answer
     finally:
         logger.removeHandler(handler)
         logger.setLevel(level)
@@ -209,3 +210,37 @@ def test_telemetry_off_keeps_request_metrics_only(watched: RunningServer, tmp_pa
         assert bare.dataplane.telemetry is None
     finally:
         bare.stop(grace=2)
+
+
+def test_spans_of_a_real_request_nest_under_the_callers_trace(watched: RunningServer, tmp_path: Path) -> None:
+    """With an exporter, a ModelInfer over gRPC makes request > {queue, runtime, postprocess}, all in the
+    caller's trace, the request span a child of the caller's span; the log line carries the same trace."""
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+    from opentelemetry.trace import SpanKind
+
+    from serving.observability.tracing import setup_tracing
+
+    exporter = InMemorySpanExporter()
+    settings = ServingSettings(repository=watched.settings.repository, grpc_port=0, http_port=0, cache_dir=tmp_path)
+    traced = start(settings, tracer_provider=setup_tracing("memory", span_exporter=exporter))
+    trace_id, parent = "0af7651916cd43dd8448eb211c80319c", "b7ad6b7169203331"
+    try:
+        assert traced.wait_ready(120)
+        c = triton.InferenceServerClient(f"127.0.0.1:{traced.grpc_port}")
+        x = preprocess(pictures(1, np.random.default_rng(6)), SPEC)
+        send(c, x, headers={"traceparent": f"00-{trace_id}-{parent}-01"})
+        assert traced.flush_telemetry(30)
+    finally:
+        traced.stop(grace=2)
+    spans = {span.name: span for span in exporter.get_finished_spans()}
+    assert {"ModelInfer", "queue", "runtime", "postprocess"} <= set(spans)
+    request = spans["ModelInfer"]
+    assert request.kind is SpanKind.SERVER and request.parent is not None
+    assert format(request.parent.span_id, "016x") == parent
+    for name in ("queue", "runtime", "postprocess"):
+        span = spans[name]
+        assert format(span.context.trace_id, "032x") == trace_id
+        assert span.parent is not None and span.parent.span_id == request.context.span_id, name
+    assert spans["queue"].end_time <= spans["runtime"].start_time <= spans["runtime"].end_time
+    assert spans["runtime"].end_time <= spans["postprocess"].start_time <= request.end_time
+    assert spans["runtime"].attributes["sluicegate.runtime"] == "onnxruntime"

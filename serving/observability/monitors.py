@@ -1,0 +1,104 @@
+"""The drift and output-entropy monitors of one model version, fed whole batches.
+
+The batcher hands every successful batch's inputs and outputs to ``VersionMonitors.on_batch`` on its
+worker thread; that only appends them to a list, and schedules one drain on the telemetry thread
+(serving/observability/pipeline.py) if none is scheduled yet. The drain takes every batch waiting,
+concatenates them and computes the per-image channel means and per-row entropies in a few numpy calls,
+then updates the monitors and their metrics. So the numpy call overhead (tens of microseconds per call
+on a small CPU, more than the arithmetic on a few rows) is paid per drain: the busier the server, the
+more batches one drain takes. Nothing of it is on a request's path.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from serving.observability.drift import DriftMonitor, channel_means
+from serving.observability.entropy import EntropyMonitor, softmax
+from serving.observability.pipeline import TelemetryPipeline
+
+Array = npt.NDArray[Any]
+
+
+class VersionMonitors:
+    """Drift (when the version has a baseline and an image input) and entropy of one version.
+
+    Args:
+        model, version: The version, for the metrics' labels.
+        metrics: The server's ``ServerMetrics``.
+        pipeline: Where the work runs.
+        entropy: The output-entropy monitor.
+        logits: The output whose rows are softmaxed (the first declared output).
+        drift: The drift monitor, or None.
+        image_input: The NCHW input the drift features come from (with ``drift``).
+        preprocessing: The version's preprocessing spec, to undo the normalisation for drift.
+    """
+
+    def __init__(
+        self,
+        model: str,
+        version: str,
+        metrics: Any,
+        pipeline: TelemetryPipeline,
+        *,
+        entropy: EntropyMonitor,
+        logits: str | None,
+        drift: DriftMonitor | None = None,
+        image_input: str | None = None,
+        preprocessing: Mapping[str, Any] | None = None,
+    ) -> None:
+        self.model, self.version, self.metrics, self.pipeline = model, version, metrics, pipeline
+        self.entropy, self.logits = entropy, logits
+        self.drift: DriftMonitor | None = drift if image_input is not None else None
+        self.image_input: str | None = image_input
+        self.preprocessing = dict(preprocessing or {})
+        self._waiting: list[tuple[Mapping[str, Array], Mapping[str, Array]]] = []
+        self._lock = threading.Lock()
+        self._scheduled = False
+        self.max_waiting = 256  # batches held for one drain; beyond it new ones are dropped (and counted)
+
+    @property
+    def abnormal(self) -> bool:
+        """The version's answers are suspect now: its inputs drifted or its outputs collapsed."""
+        return bool(self.entropy.collapsed or (self.drift is not None and self.drift.alarm))
+
+    def on_batch(self, inputs: Mapping[str, Array], outputs: Mapping[str, Array]) -> None:
+        """The batcher's ``on_outputs`` hook (worker thread): queue the batch for the telemetry thread."""
+        self.pipeline.submit("batch", self.observe, inputs, outputs)
+
+    def observe(self, inputs: Mapping[str, Array], outputs: Mapping[str, Array]) -> None:
+        """Feed one batch to the monitors (telemetry thread, or directly in tests)."""
+        if self.drift is not None and self.image_input in inputs:
+            self.drift.observe(channel_means(inputs[self.image_input], self.preprocessing))  # type: ignore[index]
+        logits = outputs.get(self.logits) if self.logits else None
+        if logits is not None and np.ndim(logits) == 2:
+            summary = self.entropy.observe(logits)
+            self.metrics.observe_entropy(self.model, self.version, summary.entropy_bits, summary.collapsed)
+
+
+def _stack(arrays: list[Array | None]) -> Array | None:
+    """The batches' rows in one array; None when any batch lacks the tensor or their shapes disagree."""
+    present = [a for a in arrays if a is not None]
+    if not present or len(present) != len(arrays):
+        return None
+    if len(present) == 1:
+        return np.asarray(present[0])
+    try:
+        return np.concatenate(present)
+    except ValueError:  # free non-batch dimensions that differ between batches: skip this drain
+        return None
+
+
+def min_confidence(logits: Array | None) -> float | None:
+    """The request log's ``output_confidence``: the least sure row's top softmax probability."""
+    if logits is None or np.ndim(logits) != 2 or logits.shape[0] == 0 or logits.shape[1] == 0:
+        return None
+    try:
+        return float(softmax(logits).max(axis=1).min())
+    except (TypeError, ValueError):
+        return None
