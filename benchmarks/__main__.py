@@ -8,6 +8,7 @@ BENCHMARKS = (
     "benchmarks.data_gate_throughput",
     "benchmarks.training_throughput",
     "benchmarks.serving_throughput",
+    "benchmarks.observability_overhead",
 )
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ from serving.batching import BatcherStats
 from serving.dataplane import DataPlane
 from serving.errors import ModelNotReady, ServingError, Unauthenticated
 from serving.metrics import ServerMetrics
+from serving.observability.tracing import current_trace_id
 from serving.proto import admin_pb2, admin_pb2_grpc, grpc_service_pb2, grpc_service_pb2_grpc
 
 pb = grpc_service_pb2
@@ -168,34 +169,35 @@ class InferenceServicer(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
     def _log(
         self, request: Any, context: grpc.ServicerContext, request_id: str, served: _Served, elapsed: float
     ) -> None:
-        """Queue the request's log line: the input hash and the JSON are made on the telemetry thread."""
-        from serving.observability.tracing import current_trace_id, incoming_trace_id
-
-        trace = current_trace_id() if self.tracing is not None else incoming_trace_id(context.invocation_metadata())
-        fields = {
-            "request_id": request_id,
-            "model_name": request.model_name,
-            "model_version": served.version or request.model_version,
-            "runtime": served.runtime if served.code == "OK" else None,
-            "batch_size": served.rows or _rows(request),
-            "inference_time_ms": elapsed * 1e3,
-            "status": served.code,
-            "trace_id": trace,
-        }
+        """Queue the request's log line; the trace id, the input hash and the JSON are made on the
+        telemetry thread, so the request thread only takes a snapshot."""
+        trace = current_trace_id() if self.tracing is not None else None
+        metadata = None if self.tracing is not None else context.invocation_metadata()
         size = sum(len(buffer) for buffer in request.raw_input_contents) or request.ByteSize()
-        self.pipeline.submit("log", self._write_log, fields, request, served.logits, served.monitors, size=size)
+        line = (request_id, served.version, served.runtime, served.rows, elapsed, served.code, trace, metadata)
+        self.pipeline.submit("log", self._write_log, request, line, served.logits, served.monitors, size=size)
 
-    def _write_log(self, fields: dict[str, Any], request: Any, logits: Any, monitors: Any) -> None:
+    def _write_log(self, request: Any, line: tuple[Any, ...], logits: Any, monitors: Any) -> None:
         from serving.observability.logs import input_hash
         from serving.observability.monitors import min_confidence
+        from serving.observability.tracing import incoming_trace_id
 
+        request_id, version, runtime, rows, elapsed, code, trace, metadata = line
         raw = request.raw_input_contents
+        runtime = runtime if code == "OK" else None
         self.request_log.log(
-            **fields,
+            request_id=request_id,
+            model_name=request.model_name,
+            model_version=version or request.model_version,
             input_hash=input_hash(raw) if raw else _typed_hash(request),
+            runtime=runtime,
+            batch_size=rows or _rows(request),
+            inference_time_ms=elapsed * 1e3,
             output_confidence=min_confidence(logits),
-            abnormal_flag=fields["runtime"] == "rules" or bool(monitors is not None and monitors.abnormal),
+            abnormal_flag=runtime == "rules" or bool(monitors is not None and monitors.abnormal),
             gpu_utilization=self.metrics.gpu.utilization() if hasattr(self.metrics, "gpu") else None,
+            status=code,
+            trace_id=trace if metadata is None else incoming_trace_id(metadata),
         )
 
 

@@ -68,15 +68,53 @@ class VersionMonitors:
         return bool(self.entropy.collapsed or (self.drift is not None and self.drift.alarm))
 
     def on_batch(self, inputs: Mapping[str, Array], outputs: Mapping[str, Array]) -> None:
-        """The batcher's ``on_outputs`` hook (worker thread): queue the batch for the telemetry thread."""
-        self.pipeline.submit("batch", self.observe, inputs, outputs)
+        """The batcher's ``on_outputs`` hook (worker thread): hold the batch for the next drain."""
+        with self._lock:
+            if len(self._waiting) >= self.max_waiting:
+                self.metrics.dropped("batch")
+                return
+            self._waiting.append((inputs, outputs))
+            if self._scheduled:
+                return
+            self._scheduled = True
+        if not self.pipeline.submit("batch", self.drain):
+            with self._lock:
+                self._waiting.clear()
+                self._scheduled = False
+
+    def drain(self) -> None:
+        """Feed every waiting batch to the monitors at once (telemetry thread)."""
+        with self._lock:
+            batches, self._waiting = self._waiting, []
+            self._scheduled = False
+        if not batches:
+            return
+        means = None
+        if self.drift is not None and self.image_input is not None:
+            # Per batch, then joined: the means are a few floats per image, the images megabytes.
+            parts = [
+                channel_means(inputs[self.image_input], self.preprocessing)
+                for inputs, _ in batches
+                if self.image_input in inputs and np.ndim(inputs[self.image_input]) == 4
+            ]
+            if parts:
+                means = {name: np.concatenate([part[name] for part in parts]) for name in parts[0]}
+        logits = _stack([outputs.get(self.logits) for _, outputs in batches] if self.logits else [])
+        self.observe_features(means, logits)
 
     def observe(self, inputs: Mapping[str, Array], outputs: Mapping[str, Array]) -> None:
-        """Feed one batch to the monitors (telemetry thread, or directly in tests)."""
-        if self.drift is not None and self.image_input in inputs:
-            self.drift.observe(channel_means(inputs[self.image_input], self.preprocessing))  # type: ignore[index]
+        """Feed one batch to the monitors directly (tests; the server goes through ``on_batch``)."""
+        means = None
+        if self.drift is not None and self.image_input is not None and self.image_input in inputs:
+            means = channel_means(inputs[self.image_input], self.preprocessing)
         logits = outputs.get(self.logits) if self.logits else None
-        if logits is not None and np.ndim(logits) == 2:
+        self.observe_features(means, None if logits is None else np.asarray(logits))
+
+    def observe_features(self, means: Mapping[str, Array] | None, logits: Array | None) -> None:
+        """Feed per-image channel means (feature -> values) and logits (rows x classes) to the monitors."""
+        if self.drift is not None and means is not None:
+            self.drift.observe(means)
+        if logits is not None and logits.ndim == 2 and logits.shape[0]:
             summary = self.entropy.observe(logits)
             self.metrics.observe_entropy(self.model, self.version, summary.entropy_bits, summary.collapsed)
 

@@ -14,7 +14,17 @@ import pytest
 
 from serving.runtimes import LoadOptions, load_runtime
 from serving.runtimes.engine_cache import EngineCache, batch_profile, engine_key
-from tests.serving.test_runtimes import _gpu_tensorrt, batch, expected, onnx_file, version_with  # noqa: F401
+from tests.fixtures.models import SPEC, resnet
+from tests.serving.test_runtimes import _gpu_tensorrt, batch, expected, version_with
+
+
+@pytest.fixture(scope="module")
+def onnx_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from tasks.conversion import export_onnx
+
+    path = tmp_path_factory.mktemp("export") / "model.onnx"
+    export_onnx(resnet(1), np.zeros((1, 3, SPEC.height, SPEC.width), dtype=np.float32), path)
+    return path
 
 
 def test_a_miss_builds_once_and_later_lookups_hit(tmp_path: Path) -> None:

@@ -8,6 +8,7 @@ import io
 import json
 import logging
 import math
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -153,3 +154,36 @@ def test_input_hash_is_the_sha256_of_the_raw_input_bytes() -> None:
 def test_bad_sample_rates_are_refused() -> None:
     with pytest.raises(ValueError, match="between 0 and 1"):
         RequestLogger(1.5)
+
+
+def test_a_timed_flush_handler_batches_writes_but_never_holds_a_line_long() -> None:
+    """The server's handler: lines reach the stream at most ``interval`` late, warnings at once."""
+    buffer = io.StringIO()
+    written: list[str] = []
+
+    class Spy(io.TextIOBase):
+        def write(self, text: str) -> int:
+            buffer.write(text)
+            return len(text)
+
+        def flush(self) -> None:
+            written.append(buffer.getvalue())
+
+    handler = json_handler(Spy(), flush_interval_s=0.2)  # type: ignore[arg-type]
+    logger = logging.getLogger("test.timed-flush")
+    logger.propagate, logger.level = False, logging.INFO
+    logger.addHandler(handler)
+    try:
+        flushes = len(written)
+        for index in range(50):
+            logger.info("line %d", index)
+        assert len(written) - flushes <= 1  # 50 lines, at most one flush
+        deadline = time.monotonic() + 5
+        while not (written and '"line 49"' in written[-1]) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert written and '"line 49"' in written[-1]  # the timer pushed the tail out
+        logger.warning("careful")
+        assert '"careful"' in written[-1]  # warnings are never held back
+    finally:
+        logger.removeHandler(handler)
+        handler.close()
