@@ -124,6 +124,7 @@ class InferenceServicer(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
         model, version = request.model_name, request.model_version
         for attempt in (0, 1):
             loaded = self.plane.route(model, version)
+            served.version = loaded.version  # an error from here on counts against the version that failed
             plan = loaded.plan or self._plan(loaded)
             decoded = plan.decode(request, self.max_elements)
             if decoded is None:  # anything but the common form: the general path and its named errors

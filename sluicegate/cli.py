@@ -14,6 +14,7 @@ from rich.table import Table
 from sluicegate.cli_common import cli_errors, console, load_settings
 from sluicegate.cli_data import check_app, dataset_app
 from sluicegate.cli_models import models_app
+from sluicegate.cli_rollout import rollout_app
 from sluicegate.cli_train import train_command
 from sluicegate.settings import Settings
 
@@ -28,6 +29,7 @@ app.add_typer(storage_app, name="storage")
 app.add_typer(dataset_app, name="dataset")
 app.add_typer(check_app, name="check")
 app.add_typer(models_app, name="models")
+app.add_typer(rollout_app, name="rollout")
 app.command("train")(train_command)
 
 

@@ -256,6 +256,45 @@ class EvalGateSettings(Group):
     max_images: int = Field(5000, ge=1, description="Most test images evaluated (a fixed, seeded subset beyond).")
 
 
+class RolloutSettings(Group):
+    """Canary rollout (DESIGN sections 5 and 7): the plan, where traffic moves, where metrics come from."""
+
+    platform: Literal["local", "kubernetes"] = Field(
+        "local", description="local: the local model server's version weights; kubernetes: Deployments (+ Istio)."
+    )
+    steps: tuple[int, ...] = Field((5, 20, 50, 100), description="Canary weights in percent; the last must be 100.")
+    hold_seconds: float = Field(60.0, gt=0, description="How long each step is held before it is judged.")
+    analysis_interval_seconds: float = Field(10.0, gt=0, description="Seconds between two metric reads in a step.")
+    min_requests: int = Field(200, ge=1, description="Canary requests a step needs before it can pass.")
+    max_inconclusive: int = Field(3, ge=0, description="Extra intervals an undecided step waits before failing.")
+    max_p95_increase: float = Field(0.10, ge=0, description="Canary p95 at most stable's times (1 + this).")
+    min_p95_delta_seconds: float = Field(
+        0.002, ge=0, description="p95 differences below this never fail a step (histogram resolution)."
+    )
+    max_error_rate_increase: float = Field(
+        0.005, ge=0, le=1, description="Canary error rate at most stable's plus this (0.005 = 0.5 points)."
+    )
+    pause_before: tuple[int, ...] = Field((), description="Steps (weights) before which the rollout waits for resume.")
+    custom_checks: tuple[dict[str, Any], ...] = Field(
+        (),
+        description='PromQL checks (JSON list of {"name", "query", "op", "bound", "relative"}); need prometheus_url.',
+    )
+    prometheus_url: str | None = Field(None, description="Prometheus for the analysis; unset: scrape the servers.")
+    metrics_urls: tuple[str, ...] = Field(
+        (), description="The servers' /metrics URLs for the scrape source; unset: the local server's."
+    )
+    alertmanager_url: str | None = Field(None, description="Alertmanager to notify on a rollback; unset: none.")
+    local_repository: Path | None = Field(
+        None, description="Folder the local server serves; unset: <home>/serving-repo."
+    )
+    local_grpc: str = Field(f"{LOOPBACK}:8001", description="The local model server's gRPC address.")
+    local_http: str = Field(f"http://{LOOPBACK}:8000", description="The local model server's side port.")
+    admin_token: SecretStr | None = Field(None, description="The serving admin token (local platform).")
+    namespace: str = Field("sluicegate-serving", description="Kubernetes namespace of the serving Deployments.")
+    istio: bool = Field(True, description="Kubernetes: split with Istio weights; false: by replica ratio.")
+    ready_timeout_seconds: float = Field(600.0, gt=0, description="How long a canary may take to become ready.")
+
+
 class ModelSettings(Group):
     """The model the pipeline produces."""
 
@@ -303,6 +342,7 @@ class Settings(BaseSettings):
     train_gate: TrainGateSettings = Field(default_factory=TrainGateSettings)
     conversion: ConversionSettings = Field(default_factory=ConversionSettings)
     eval_gate: EvalGateSettings = Field(default_factory=EvalGateSettings)
+    rollout: RolloutSettings = Field(default_factory=RolloutSettings)
 
     @field_validator("home")
     @classmethod
