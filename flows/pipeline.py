@@ -308,6 +308,11 @@ def pipeline(
         gates.enforce(evaluated.verdict)
         eval_flow.promote_challenger(settings, store, run_id=run_id, candidate=candidate, verdict=evaluated.verdict)
         stages.append(("challenger", "alias set", f"{settings.model.name}@challenger = {candidate.model_version}"))
+        if settings.rollout.after_pipeline:
+            from flows.rollout import rollout as rollout_flow
+
+            rolled = rollout_flow(settings.model.name, packaged["model_version"], packaged["registry_version"])
+            stages.append(("canary", str(rolled["status"]), str(rolled["reason"])))
 
         result = PipelineResult(
             run_id,

@@ -59,7 +59,10 @@ def run(
     candidate = registry.resolve(tracking_uri, model_name, registry_version or model_version)
 
     def fetch(model: str, version: str, target: Any) -> None:
-        registry.download_version(tracking_uri, candidate, target)
+        # The registry lays a version out as <repository>/<model>/<version>, as the server reads it.
+        placed = registry.download_version(tracking_uri, candidate, target.parent.parent)
+        if placed != target:
+            raise RolloutFailed(f"registry version {candidate.describe()} unpacked as {placed}, expected {target}")
 
     platform = platform_from_settings(settings, fetch=fetch)
     source = source_from_settings(settings)

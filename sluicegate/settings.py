@@ -262,6 +262,9 @@ class RolloutSettings(Group):
     platform: Literal["local", "kubernetes"] = Field(
         "local", description="local: the local model server's version weights; kubernetes: Deployments (+ Istio)."
     )
+    after_pipeline: bool = Field(
+        False, description="Run the canary as a subflow of the pipeline once the eval gate passed (needs a platform)."
+    )
     steps: tuple[int, ...] = Field((5, 20, 50, 100), description="Canary weights in percent; the last must be 100.")
     hold_seconds: float = Field(60.0, gt=0, description="How long each step is held before it is judged.")
     analysis_interval_seconds: float = Field(10.0, gt=0, description="Seconds between two metric reads in a step.")

@@ -131,9 +131,13 @@ class LocalPlatform:
     # -- outside the interface: the first deployment ----------------------------------------------
 
     def adopt(self, model: str, version: str) -> PlatformState:
-        """Record ``version`` (already in the repository and served) as the model's stable version."""
-        if not (self.repository / model / version).is_dir():
-            raise PlatformError(f"{self.repository / model / version} does not exist: publish the version first")
+        """Make ``version`` the model's stable version with all the traffic: the first deployment, when
+        there is no stable version to compare a canary with (fetched into the repository if missing)."""
+        target = self.repository / model / version
+        if not target.is_dir():
+            if self.fetch is None:
+                raise PlatformError(f"{target} does not exist and no fetch function was given to bring it")
+            self.fetch(model, version, target)
         recorded = self._read(model)
         self._write(model, {"stable": version, "canary": None, "previous": recorded.get("stable")})
         self._load(model)

@@ -62,6 +62,11 @@ def run_rollout(
     state = platform.state(model)
     if state.stable_version == version and state.canary_version is None:
         return Outcome("promoted", f"{model} {version} is already stable (nothing left to do)")
+    adopt = getattr(platform, "adopt", None)
+    if state.stable_version is None and adopt is not None:
+        # The first version: nothing to compare a canary with (Argo Rollouts does the same).
+        adopt(model, version)
+        return Outcome("promoted", f"first version of {model}: deployed at 100% with no stable to compare with")
     if state.canary_version not in (None, version):
         raise PlatformError(
             f"{model} has a canary of another version ({state.canary_version}) in progress: "
