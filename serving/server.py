@@ -208,6 +208,9 @@ def main(argv: list[str] | None = None) -> None:
     # One JSON object per line (request logs and everything else), for log shippers.
     # Flushed every 50 ms (and at once for warnings): a write per request line costs more than the line.
     logging.basicConfig(level=logging.INFO, handlers=[json_handler(flush_interval_s=0.05)])
+    # Fields no line carries (JsonFormatter writes neither), each a lookup per record: one line per
+    # request makes them count.
+    logging.logThreads = logging.logProcesses = logging.logMultiprocessing = False
     settings = ServingSettings(**parse_args(argv))
     running = start(settings)
     stop = threading.Event()
