@@ -9,6 +9,7 @@ BENCHMARKS = (
     "benchmarks.training_throughput",
     "benchmarks.serving_throughput",
     "benchmarks.observability_overhead",
+    "benchmarks.rollout_time",
 )
 
 if __name__ == "__main__":

@@ -107,13 +107,19 @@ def resume_command(model: ModelOption = None) -> None:
 
 async def _resume(model: str) -> str | None:
     from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import FlowFilter, FlowFilterName, FlowRunFilter, FlowRunFilterStateName
+    from prefect.client.schemas.filters import (
+        FlowFilter,
+        FlowFilterName,
+        FlowRunFilter,
+        FlowRunFilterState,
+        FlowRunFilterStateName,
+    )
     from prefect.flow_runs import aresume_flow_run
 
     async with get_client() as client:
         runs = await client.read_flow_runs(
             flow_filter=FlowFilter(name=FlowFilterName(any_=["rollout"])),
-            flow_run_filter=FlowRunFilter(state=FlowRunFilterStateName(any_=["Paused"])),
+            flow_run_filter=FlowRunFilter(state=FlowRunFilterState(name=FlowRunFilterStateName(any_=["Paused"]))),
         )
     for run in runs:
         if run.name.startswith(f"rollout/{model}@"):

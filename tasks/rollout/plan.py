@@ -1,9 +1,11 @@
 """The rollout plan and its analysis: a pure function from observed stable and canary metrics to
 pass / fail / inconclusive, with a reason for every check (DESIGN section 5, "canary step").
 
-A step passes when every check passes; fails when any check fails; is inconclusive when nothing failed
-but the canary has not served ``min_requests`` yet (the flow waits, then fails after
-``max_inconclusive`` more intervals: a canary nobody can judge is not promoted). Checks:
+A step passes when every check passes; fails when any check fails (errors and an entropy collapse
+count at once, latency only once ``min_requests`` were served: the p95 of a few requests is their
+slowest one); is inconclusive when nothing failed but the canary has not served ``min_requests`` yet
+(the flow waits, then fails after ``max_inconclusive`` more intervals: a canary nobody can judge is not
+promoted). Checks:
 
 - latency: canary p95 <= stable p95 x (1 + ``max_p95_increase``), and only counted a failure when the
   difference is also above ``min_p95_delta_s``. The floor is there because p95s come from histogram
@@ -151,7 +153,7 @@ def analyse(stable: VersionMetrics, canary: VersionMetrics, plan: RolloutPlan) -
     checks = [
         _requests(canary, plan.min_requests),
         _errors(stable, canary, t.max_error_rate_increase),
-        _latency(stable, canary, t.max_p95_increase, t.min_p95_delta_s),
+        _latency(stable, canary, t.max_p95_increase, t.min_p95_delta_s, plan.min_requests),
         _entropy(stable, canary),
         *(_custom(check, stable, canary) for check in plan.custom_checks),
     ]
@@ -181,9 +183,14 @@ def _errors(stable: VersionMetrics, canary: VersionMetrics, allowed: float) -> C
     return CheckResult("errors", canary.error_rate <= bound, detail)
 
 
-def _latency(stable: VersionMetrics, canary: VersionMetrics, increase: float, floor_s: float) -> CheckResult:
+def _latency(
+    stable: VersionMetrics, canary: VersionMetrics, increase: float, floor_s: float, needed: int
+) -> CheckResult:
     if canary.p95_s is None or stable.p95_s is None or not math.isfinite(canary.p95_s + stable.p95_s):
         return CheckResult("latency", None, "p95 latency not measurable yet (no successful requests on a version)")
+    if canary.requests < needed:
+        # The p95 of a handful of requests is their slowest one (a cold first call): judge it on enough.
+        return CheckResult("latency", None, f"p95 latency judged from {needed} canary requests on")
     bound = stable.p95_s * (1 + increase)
     too_slow = canary.p95_s > bound and canary.p95_s - stable.p95_s > floor_s
     detail = (

@@ -5,6 +5,7 @@ rolled back, the ``challenger`` alias restored, and the flow run fails with the 
 
 from __future__ import annotations
 
+import contextvars
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -163,3 +164,81 @@ def test_an_undecidable_canary_is_rolled_back_and_the_challenger_restored(
             assert last is not None and last.status == "rolled_back" and "inconclusive" in (last.reason or "")
     finally:
         store.dispose()
+
+
+def test_operators_see_abort_and_promote_a_canary_from_the_cli(platform: Settings, server: RunningServer) -> None:
+    import json
+
+    from typer.testing import CliRunner
+
+    from sluicegate.cli import app
+    from tasks.rollout.config import platform_from_settings
+
+    first = register(platform, "v0.0.1-aaaaaaa-1111111", seed=0, alias="champion")
+    second = register(platform, "v0.0.2-bbbbbbb-2222222", seed=1, alias="challenger")
+    for version in (first, second):
+        record(platform, version)
+    rollout(platform.model.name, first.model_version, first.registry_version)
+    cli = CliRunner()
+
+    def run(*args: str) -> str:
+        result = cli.invoke(app, ["rollout", *args], env={"COLUMNS": "200"})
+        assert result.exit_code == 0, result.output
+        return result.output
+
+    moving = platform_from_settings(
+        Settings(), fetch=lambda m, v, t: registry.download_version(platform.mlflow.url, second, t.parent.parent)
+    )
+    moving.start_canary(platform.model.name, second.model_version)
+    moving.set_weight(platform.model.name, 20)
+    status = json.loads(run("status", "--json"))
+    assert status["state"]["canary_version"] == second.model_version and status["state"]["canary_weight"] == 20
+    assert status["steps"] == []  # the first deployment had no canary steps
+    assert "rolled back" in run("abort")
+    assert server.dataplane.weights(platform.model.name) == {first.model_version: 100}
+    assert json.loads(run("status", "--json"))["state"]["canary_version"] is None
+
+    moving.start_canary(platform.model.name, second.model_version)
+    assert f"promoted: stable {second.model_version}" in run("promote")
+    assert server.dataplane.weights(platform.model.name) == {second.model_version: 100}
+    assert f"stable {second.model_version}" in run("status")
+
+
+def test_a_paused_rollout_waits_for_resume(
+    platform: Settings, server: RunningServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import time
+
+    from typer.testing import CliRunner
+
+    from sluicegate.cli import app
+
+    first = register(platform, "v0.0.1-aaaaaaa-1111111", seed=0, alias="champion")
+    second = register(platform, "v0.0.2-bbbbbbb-2222222", seed=1, alias="challenger")
+    for version in (first, second):
+        record(platform, version)
+    rollout(platform.model.name, first.model_version, first.registry_version)
+    monkeypatch.setenv("SLUICEGATE_ROLLOUT__PAUSE_BEFORE", "[50]")
+    outcome: dict[str, object] = {}
+
+    def roll() -> None:
+        try:
+            outcome["result"] = rollout(platform.model.name, second.model_version, second.registry_version)
+        except Exception as exc:  # reported by the assertions below
+            outcome["error"] = exc
+
+    with Traffic(server, platform):
+        # The test's Prefect settings live in a context variable, which a new thread does not inherit.
+        thread = threading.Thread(target=contextvars.copy_context().run, args=(roll,), daemon=True)
+        thread.start()
+        resumed, deadline, last = "", time.monotonic() + 120, None
+        while time.monotonic() < deadline and not resumed:
+            time.sleep(1)
+            assert server.dataplane.weights(platform.model.name).get(second.model_version, 0) == 0, "moved while paused"
+            result = CliRunner().invoke(app, ["rollout", "resume"], env={"COLUMNS": "200"})
+            resumed = result.output if result.exit_code == 0 else ""
+            last = (result.exit_code, result.output[-800:], repr(result.exception))
+        assert resumed, f"the rollout never paused: {outcome} {last}"
+        thread.join(180)
+    assert "error" not in outcome, outcome
+    assert outcome["result"]["status"] == "promoted"  # type: ignore[index]

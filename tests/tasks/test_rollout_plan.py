@@ -53,18 +53,24 @@ def test_too_few_requests_is_inconclusive_not_a_pass() -> None:
 
 
 @pytest.mark.parametrize(
-    ("changes", "check"),
+    ("changes", "check", "needed"),
     [
-        ({"p95_s": 0.0130}, "latency"),  # +30 % and +3 ms
-        ({"errors": 3}, "errors"),  # 1 % vs 0.2 % + 0.5 points
-        ({"entropy_collapsed": True}, "entropy"),
+        ({"p95_s": 0.0130}, "latency", 300),  # +30 % and +3 ms
+        ({"errors": 3}, "errors", 1000),  # 1 % vs 0.2 % + 0.5 points: before enough requests too
+        ({"entropy_collapsed": True}, "entropy", 1000),
     ],
 )
-def test_each_rule_fails_the_step_even_before_enough_requests(changes: dict[str, object], check: str) -> None:
-    result = analyse(STABLE, canary(requests=300, **changes), RolloutPlan(min_requests=1000))
+def test_each_rule_fails_the_step(changes: dict[str, object], check: str, needed: int) -> None:
+    result = analyse(STABLE, canary(requests=300, **changes), RolloutPlan(min_requests=needed))
     assert result.decision == "fail"
     failed = [c.name for c in result.checks if c.passed is False]
     assert failed == [check]
+
+
+def test_a_slow_p95_of_a_few_requests_waits_for_more() -> None:
+    result = analyse(STABLE, canary(requests=12, p95_s=0.030), RolloutPlan(min_requests=200))
+    assert result.decision == "inconclusive"
+    assert [c.passed for c in result.checks if c.name == "latency"] == [None]
 
 
 def test_latency_differences_under_the_floor_never_fail() -> None:
