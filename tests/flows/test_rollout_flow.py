@@ -242,3 +242,28 @@ def test_a_paused_rollout_waits_for_resume(
         thread.join(180)
     assert "error" not in outcome, outcome
     assert outcome["result"]["status"] == "promoted"  # type: ignore[index]
+
+
+def test_the_pipeline_runs_the_canary_as_a_subflow_after_the_eval_gate(
+    platform: Settings, server: RunningServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With rollout.after_pipeline, a first model goes from the S3 manifest to serving 100 % and champion."""
+    from flows.pipeline import pipeline
+    from tests.flows.test_evaluate import push_sample
+
+    key = push_sample(platform, tmp_path / "data", "v1")
+    monkeypatch.setenv("SLUICEGATE_ROLLOUT__AFTER_PIPELINE", "true")
+
+    result = pipeline(bucket=platform.storage.bucket, key=key, trigger="manual")
+
+    assert result["status"] == "succeeded" and result["challenger"] is True
+    champion = registry.alias_holder(platform.mlflow.url, platform.model.name, registry.CHAMPION)
+    assert champion is not None and champion.registry_version == result["registry_version"]
+    assert server.dataplane.weights(platform.model.name) == {result["model_version"]: 100}
+    store = MetadataStore(platform.metadata_url)
+    try:
+        with store.session() as session:
+            deployment = session.query(Deployment).one()
+            assert deployment.status == "promoted" and deployment.model_version.version == result["model_version"]
+    finally:
+        store.dispose()
