@@ -49,11 +49,13 @@ from benchmarks.serving_harness import (
     check,
     cpu_seconds,
     default_bench_dir,
+    fill_defaults,
     log_problems,
     others_cores,
     pinning,
     process_cpu_s,
     progress,
+    require_harness,
     revision,
     run_load,
     running_server,
@@ -245,19 +247,13 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="1 round x 4 s: a smoke run")
     parser.add_argument("--bench-dir", type=Path, default=default_bench_dir(), help="the shared harness")
     parser.add_argument("--out", type=Path, default=Path("bench-results/observability_overhead.json"))
-    args = parser.parse_args()
-    seconds = os.environ.get("SLUICEGATE_BENCH_SECONDS")  # for `make bench`, which passes no flags
-    defaults = (1, 4.0, 1.0) if args.quick else (3, float(seconds or 8), 2.0)
-    for name, default in zip(("rounds", "duration", "warmup"), defaults, strict=True):
-        if getattr(args, name) is None:
-            setattr(args, name, default)
-    return args
+    quick = {"rounds": 1, "duration": 4.0, "warmup": 1.0}
+    return fill_defaults(parser.parse_args(), quick, {"rounds": 3, "duration": 8.0, "warmup": 2.0})
 
 
 def main() -> None:
     args = parse_args()
-    if not (args.bench_dir / "v2load.py").is_file():
-        raise SystemExit(f"no harness at {args.bench_dir}: pass --bench-dir DIR (the folder with v2load.py)")
+    require_harness(args.bench_dir)
     server_cpu, client_cpu, pin_note = pinning()
     progress(f"pinning: {pin_note}")
     started = cpu_seconds()

@@ -8,6 +8,7 @@ models are the shared harness's (``shared/bench``: ``v2load.py``, ``make_models.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import os
@@ -285,3 +286,23 @@ def revision() -> str:
 
 def progress(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
+
+
+def fill_defaults(
+    args: argparse.Namespace, quick: Mapping[str, float], full: Mapping[str, float]
+) -> argparse.Namespace:
+    """Set every option left unset to its ``--quick`` or full default; a full run's ``duration`` comes
+    from ``SLUICEGATE_BENCH_SECONDS`` when set (for ``make bench``, which passes no flags)."""
+    seconds = os.environ.get("SLUICEGATE_BENCH_SECONDS")
+    chosen = dict(quick if args.quick else full)
+    if not args.quick and seconds:
+        chosen["duration"] = float(seconds)
+    for name, default in chosen.items():
+        if getattr(args, name) is None:
+            setattr(args, name, default)
+    return args
+
+
+def require_harness(bench: Path) -> None:
+    if not (bench / "v2load.py").is_file():
+        raise SystemExit(f"no harness at {bench}: pass --bench-dir DIR (the folder with v2load.py)")

@@ -48,12 +48,14 @@ from benchmarks.serving_harness import (
     check,
     cpu_seconds,
     default_bench_dir,
+    fill_defaults,
     json_lines,
     log_problems,
     model_files,
     others_cores,
     pinning,
     progress,
+    require_harness,
     revision,
     run_load,
     running_reference,
@@ -324,20 +326,14 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--medium-max-batch", type=int, default=DEFAULT_MAX_BATCH["medium"])
     parser.add_argument("--ort-batches", default="1,8,32", help="batch sizes of the in-process limit")
     parser.add_argument("--out", type=Path, default=Path("bench-results/serving_throughput.json"))
-    args = parser.parse_args()
-    seconds = os.environ.get("SLUICEGATE_BENCH_SECONDS")  # for `make bench`, which passes no flags
-    defaults = (4.0, 1.0, 1) if args.quick else (float(seconds or 12), 3.0, 2)
-    for name, default in zip(("duration", "warmup", "repeats"), defaults, strict=True):
-        if getattr(args, name) is None:
-            setattr(args, name, default)
-    return args
+    quick = {"duration": 4.0, "warmup": 1.0, "repeats": 1}
+    return fill_defaults(parser.parse_args(), quick, {"duration": 12.0, "warmup": 3.0, "repeats": 2})
 
 
 def main() -> None:
     args = parse_args()
     bench: Path = args.bench_dir
-    if not (bench / "v2load.py").is_file():
-        raise SystemExit(f"no harness at {bench}: pass --bench-dir DIR (the folder with v2load.py)")
+    require_harness(bench)
     server_cpu, client_cpu, pin_note = pinning()
     progress(f"pinning: {pin_note}")
     started = cpu_seconds()
