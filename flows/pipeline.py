@@ -19,6 +19,7 @@ from uuid import UUID
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 from prefect.runtime import flow_run
+from prefect.states import Completed
 
 from flows import evaluate as eval_flow
 from flows import gates
@@ -60,22 +61,69 @@ def _resolve(
     )
 
 
+# Prefect state types of a flow run that is still going (or about to); any other means it ended.
+_ACTIVE = ("RUNNING", "PENDING", "SCHEDULED", "PAUSED", "CANCELLING")
+
+
+@dataclass(frozen=True)
+class RunStart:
+    run_id: int
+    taken_over: str | None = None  # the abandoned flow run this one continues
+    busy_with: str | None = None  # a live flow run already on this dataset version
+
+
+def _flow_run_state(flow_run_id: str | None) -> str:
+    from prefect.client.orchestration import get_client
+    from prefect.exceptions import ObjectNotFound
+
+    if not flow_run_id:
+        return "MISSING"
+    with get_client(sync_client=True) as client:
+        try:
+            found = client.read_flow_run(UUID(flow_run_id))
+        except ObjectNotFound:
+            return "MISSING"
+    return found.state.type.value if found.state else "UNKNOWN"
+
+
 def _start_run(
     store: MetadataStore, *, trigger: str, event_id: str | None, code: ids.CodeVersion, parameters: dict[str, Any]
-) -> int:
+) -> RunStart:
+    """This flow run's row: its own again when Prefect retries it; an abandoned run's on the same dataset
+    version when that one's process died (idempotency: its MLflow run, model and registry versions are
+    found again, not duplicated); or a new one, noting a live run on the same version if there is one."""
     from sluicegate.metadata import repository as repo
+    from sluicegate.metadata import takeover
+    from sluicegate.metadata.models import PipelineRun
 
+    own = flow_run.get_id()
+    busy: str | None = None
     with store.session() as session:
+        seen = own is not None and session.query(PipelineRun).filter_by(prefect_flow_run_id=own).count() > 0
+        for earlier in (
+            []
+            if seen
+            else takeover.unfinished_runs_like(
+                session, code_version=code.commit, parameters=parameters, exclude_flow_run_id=own
+            )
+        ):
+            state = _flow_run_state(earlier.prefect_flow_run_id)
+            if state in _ACTIVE:
+                busy = earlier.prefect_flow_run_id
+                continue
+            previous = earlier.prefect_flow_run_id
+            takeover.take_over(session, earlier, prefect_flow_run_id=own, previous_state=state)
+            return RunStart(earlier.id, taken_over=previous or "unknown")
         row = repo.start_pipeline_run(
             session,
-            prefect_flow_run_id=flow_run.get_id(),
+            prefect_flow_run_id=own,
             trigger=trigger,
             trigger_event_id=event_id,
             code_version=code.commit,
             code_dirty=code.dirty,
             parameters=parameters,
         )
-        return row.id
+        return RunStart(row.id, busy_with=busy)
 
 
 def _record_dataset(store: MetadataStore, run_id: int, dataset: datasets.ResolvedDataset) -> int:
@@ -163,14 +211,63 @@ def _publish_summary(
     )
 
 
-def _rename_run(name: str) -> None:
+def _label_run(name: str, tags: list[str]) -> None:
+    """Rename the flow run and add tags operators filter on in the UI (dataset, data and code version)."""
     from prefect.client.orchestration import get_client
 
     run_id = flow_run.get_id()
     if run_id is None:
         return
     with get_client(sync_client=True) as client:
-        client.update_flow_run(UUID(run_id), name=name)
+        client.update_flow_run(UUID(run_id), name=name, tags=sorted({*flow_run.tags, *tags}))
+
+
+def _train_and_package(
+    settings: Settings,
+    store: MetadataStore,
+    run_id: int,
+    dataset_version_id: int,
+    mlflow_run_id: str,
+    dataset: datasets.ResolvedDataset,
+    manifest: bytes,
+    code: ids.CodeVersion,
+    baseline: dict[str, Any],
+    stages: list[tuple[str, str, str]],
+) -> dict[str, str]:
+    """Gates 3 and 4, then the model version: train + train gate, convert + parity, package."""
+    trained = train_flow.train_model(settings, dataset, manifest, mlflow_run_id)
+    verdict = train_flow.check_training(settings, store, run_id, trained)
+    gates.publish_verdict(settings, store, run_id=run_id, mlflow_run_id=mlflow_run_id, dataset=dataset, verdict=verdict)
+    accuracy = trained.result.best_val_accuracy
+    stages.append(
+        (
+            "train gate",
+            "passed" if verdict.passed else "FAILED",
+            f"{verdict.reason()}; best val accuracy {accuracy:.3f} at epoch {trained.result.best_epoch}",
+        )
+    )
+    gates.enforce(verdict)
+
+    converted = train_flow.convert_model(settings, trained)
+    gates.publish_verdict(
+        settings, store, run_id=run_id, mlflow_run_id=mlflow_run_id, dataset=dataset, verdict=converted.verdict
+    )
+    stages.append(("convert", "passed" if converted.verdict.passed else "FAILED", converted.verdict.reason()))
+    gates.enforce(converted.verdict)
+
+    packaged: dict[str, str] = train_flow.package_model(
+        settings,
+        store,
+        run_id=run_id,
+        dataset_version_id=dataset_version_id,
+        mlflow_run_id=mlflow_run_id,
+        dataset=dataset,
+        code=code,
+        trained=trained,
+        converted=converted,
+        baseline=baseline,
+    )
+    return packaged
 
 
 @flow(name="pipeline", flow_run_name=_run_name, log_prints=True)
@@ -200,14 +297,34 @@ def pipeline(
     store.check_schema()
     code = ids.code_version(baked=settings.code_commit)
     parameters = {"bucket": bucket, "key": key, "version_id": version_id, "etag": etag, "event_id": event_id}
-    run_id = record_run_start(store, trigger=trigger, event_id=event_id or None, code=code, parameters=parameters)
+    start = record_run_start(store, trigger=trigger, event_id=event_id or None, code=code, parameters=parameters)
+    run_id = start.run_id
+    if start.busy_with is not None:
+        reason = (
+            f"flow run {start.busy_with} is already running the pipeline on this dataset version; if its "
+            "process is gone, mark it Crashed or Cancelled in the Prefect UI and run this again"
+        )
+        logger.warning(reason)
+        record_finish(store, run_id, "skipped", reason)
+        store.dispose()
+        skipped = {"pipeline_run_id": run_id, "status": "skipped", "reason": reason}
+        return Completed(name="Skipped", message=reason, data=skipped)  # type: ignore[return-value]
+    if start.taken_over is not None:
+        logger.info(
+            "continuing pipeline run %s, abandoned by flow run %s: finished stages are found again, not redone",
+            run_id,
+            start.taken_over,
+        )
     stages: list[tuple[str, str, str]] = []
     mlflow_run_id: str | None = None
     dataset: datasets.ResolvedDataset | None = None
     try:
         dataset, manifest = resolve_dataset(settings, bucket, key, version_id or None)
         stages.append(("resolve dataset", "passed", f"{len(dataset.objects)} objects pinned"))
-        _rename_run(f"pipeline/{dataset.name}@{dataset.data7}")
+        _label_run(
+            f"pipeline/{dataset.name}@{dataset.data7}",
+            [f"dataset:{dataset.name}", f"data:{dataset.data7}", f"code:{code.commit[:7]}"],
+        )
         dataset_version_id = record_dataset(store, run_id, dataset)
         mlflow_run_id = track_run(
             settings.mlflow.url,
@@ -245,40 +362,21 @@ def pipeline(
         stages.append(("feature gate", "passed" if verdict.passed else "FAILED", verdict.reason()))
         gates.enforce(verdict)
 
-        trained = train_flow.train_model(settings, dataset, manifest, mlflow_run_id)
-        verdict = train_flow.check_training(settings, store, run_id, trained)
-        gates.publish_verdict(
-            settings, store, run_id=run_id, mlflow_run_id=mlflow_run_id, dataset=dataset, verdict=verdict
-        )
-        accuracy = trained.result.best_val_accuracy
-        stages.append(
-            (
-                "train gate",
-                "passed" if verdict.passed else "FAILED",
-                f"{verdict.reason()}; best val accuracy {accuracy:.3f} at epoch {trained.result.best_epoch}",
+        earlier = train_flow.find_packaged(settings, code, dataset.data_version, mlflow_run_id)
+        if earlier is None:
+            packaged = _train_and_package(
+                settings, store, run_id, dataset_version_id, mlflow_run_id, dataset, manifest, code, baseline, stages
             )
-        )
-        gates.enforce(verdict)
-
-        converted = train_flow.convert_model(settings, trained)
-        gates.publish_verdict(
-            settings, store, run_id=run_id, mlflow_run_id=mlflow_run_id, dataset=dataset, verdict=converted.verdict
-        )
-        stages.append(("convert", "passed" if converted.verdict.passed else "FAILED", converted.verdict.reason()))
-        gates.enforce(converted.verdict)
-
-        packaged = train_flow.package_model(
-            settings,
-            store,
-            run_id=run_id,
-            dataset_version_id=dataset_version_id,
-            mlflow_run_id=mlflow_run_id,
-            dataset=dataset,
-            code=code,
-            trained=trained,
-            converted=converted,
-            baseline=baseline,
-        )
+        else:
+            stages.append(("train + convert", "found", f"{Path(earlier).name}, packaged by an earlier attempt"))
+            packaged = train_flow.publish_model(
+                settings,
+                store,
+                Path(earlier),
+                dataset_version_id=dataset_version_id,
+                mlflow_run_id=mlflow_run_id,
+                code=code,
+            )
         stages.append(
             ("model version", "registered", f"{packaged['model_version']} (registry v{packaged['registry_version']})")
         )

@@ -11,6 +11,8 @@ gate.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 from prefect import flow, get_run_logger
@@ -32,9 +34,29 @@ def rollout(model_name: str, model_version: str, registry_version: str | None = 
     settings = Settings()
     store = MetadataStore(settings.metadata_url)
     try:
-        return run(settings, store, model_name, model_version, registry_version)
+        with one_rollout_at_a_time(model_name):
+            return run(settings, store, model_name, model_version, registry_version)
     finally:
         store.dispose()
+
+
+@contextlib.contextmanager
+def one_rollout_at_a_time(model_name: str) -> Iterator[None]:
+    """Hold the model's rollout slot (a Prefect global concurrency limit of 1, created on first use).
+
+    Two pipelines that pass their eval gates at once (two datasets landing together) would otherwise
+    move the same model's traffic at the same time; the second waits for the first, visibly, in the UI.
+    """
+    from prefect.client.orchestration import get_client
+    from prefect.concurrency.sync import concurrency
+    from prefect.exceptions import ObjectAlreadyExists
+
+    name = f"rollout-{_slug(model_name)}"
+    # Another rollout may create it between upsert's read and its create.
+    with get_client(sync_client=True) as client, contextlib.suppress(ObjectAlreadyExists):
+        client.upsert_global_concurrency_limit_by_name(name, 1)
+    with concurrency(name, occupy=1, strict=True):
+        yield
 
 
 def run(

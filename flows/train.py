@@ -150,12 +150,10 @@ def _package(
     baseline: dict[str, Any],
 ) -> dict[str, str]:
     """Repository folder, registry version and metadata row for the new model version."""
-    from sluicegate.metadata import repository as repo
-    from tasks import registry
     from tasks.model_repository import ModelConfig, write_version
     from tasks.training import save_checkpoint
 
-    repository = settings.model.repository or settings.home / "repository"
+    repository = _repository(settings)
     version = _free_version(repository, settings, code, dataset.data_version, mlflow_run_id)
     lineage_tags = {
         "sluicegate.model_version": version,
@@ -185,29 +183,90 @@ def _package(
         lineage=lineage_tags,
     )
     version_dir = write_version(repository, config, files)
+    return _publish(
+        settings, store, version_dir, dataset_version_id=dataset_version_id, mlflow_run_id=mlflow_run_id, code=code
+    )
+
+
+def _publish(
+    settings: Settings,
+    store: MetadataStore,
+    version_dir: Path,
+    *,
+    dataset_version_id: int | None,
+    mlflow_run_id: str,
+    code: ids.CodeVersion,
+) -> dict[str, str]:
+    """Register a written version folder in MLflow and record its row; both are idempotent by version.
+
+    Args:
+        settings: Platform settings.
+        store: The metadata store.
+        version_dir: The verified repository folder; its config's lineage names the version and the run.
+        dataset_version_id: The dataset version's row, when recorded.
+        mlflow_run_id: The pipeline's MLflow run.
+        code: The code version the model was built from.
+
+    Returns:
+        ``model_version``, ``registry_version`` and ``repository`` (the folder).
+    """
+    from sluicegate.metadata import repository as repo
+    from tasks import registry
+    from tasks.model_repository import read_config
+
+    config = read_config(version_dir)
+    lineage_tags = dict(config.lineage)
     environment = ids.environment()
     registry_version = registry.register_version(
         settings.mlflow.url, settings.model.name, mlflow_run_id, version_dir, lineage_tags
     )
     tracker = lineage.client(settings.mlflow.url)
-    tracker.set_tag(mlflow_run_id, "sluicegate.model_version", version)
+    tracker.set_tag(mlflow_run_id, "sluicegate.model_version", config.version)
     tracker.log_dict(mlflow_run_id, environment, "environment.json")
     sums = {line.split()[1]: line.split()[0] for line in (version_dir / "SHA256SUMS").read_text().splitlines() if line}
     with store.session() as session:
         repo.record_model_version(
             session,
             model_name=settings.model.name,
-            version=version,
+            version=config.version,
             mlflow_run_id=mlflow_run_id,
             code_version=code.commit,
-            data_version=dataset.data_version,
+            data_version=lineage_tags["sluicegate.data_version"],
             artifacts=sums,
             environment=environment,
-            pipeline_run_id=run_id,
+            pipeline_run_id=int(lineage_tags["sluicegate.pipeline_run_id"]),
             dataset_version_id=dataset_version_id,
             mlflow_model_version=registry_version,
         )
-    return {"model_version": version, "registry_version": registry_version, "repository": str(version_dir)}
+    return {"model_version": config.version, "registry_version": registry_version, "repository": str(version_dir)}
+
+
+def _repository(settings: Settings) -> Path:
+    return settings.model.repository or settings.home / "repository"
+
+
+def _find_packaged(settings: Settings, code: ids.CodeVersion, data_version: str, mlflow_run_id: str) -> str | None:
+    """The version folder an earlier attempt of this pipeline run wrote (a run killed after packaging and
+    taken over, or retried by Prefect), if it is intact; then training is not redone.
+
+    Retraining would not give the same bytes (thread scheduling changes float sums), and versions are
+    immutable, so the folder already written is the model; the rest of packaging is idempotent.
+    """
+    import logging
+
+    from tasks.model_repository import RepositoryError, verify_version
+
+    repository = _repository(settings)
+    version = _free_version(repository, settings, code, data_version, mlflow_run_id)
+    folder = repository / settings.model.name / version
+    if not folder.exists():
+        return None
+    try:
+        verify_version(folder)
+    except RepositoryError as exc:
+        logging.getLogger(__name__).warning("not reusing %s: %s", folder, exc)
+        return None
+    return str(folder)
 
 
 def _free_version(repository: Path, settings: Settings, code: ids.CodeVersion, data_version: str, run: str) -> str:
@@ -229,3 +288,5 @@ train_model = stage(_train, "train", network=False)
 check_training = stage(_train_gate, "train-gate")
 convert_model = stage(_convert, "convert", network=False)
 package_model = stage(_package, "package-model")
+find_packaged = stage(_find_packaged, "find-packaged-model", network=False)
+publish_model = stage(_publish, "publish-model")

@@ -30,6 +30,11 @@ MIGRATIONS_DIR = Path(__file__).resolve().parent.parent / "migrations"
 # long for the lock instead of failing at once with "database is locked".
 SQLITE_BUSY_TIMEOUT_S = 30.0
 
+# A PostgreSQL host that drops packets (rather than refusing) would hold a connect for the OS's TCP
+# timeout, minutes; this bounds each attempt (a `connect_timeout` in the URL wins), and the pipeline's
+# stage retries cover a longer outage.
+POSTGRES_CONNECT_TIMEOUT_S = 10
+
 _UPGRADE_HINT = "run `sluicegate db upgrade`"
 
 # PostgreSQL SQLSTATEs of a missing table/column: the schema was never created or is behind the code.
@@ -50,6 +55,8 @@ class MetadataStore:
         if self._url.get_backend_name() == "sqlite":
             self._prepare_sqlite_file()
             kwargs["connect_args"] = {"timeout": SQLITE_BUSY_TIMEOUT_S}
+        elif self._url.get_backend_name() == "postgresql" and "connect_timeout" not in self._url.query:
+            kwargs["connect_args"] = {"connect_timeout": POSTGRES_CONNECT_TIMEOUT_S}
         self._engine = create_engine(self._url, **kwargs)
         if self._url.get_backend_name() == "sqlite":
             event.listen(self._engine, "connect", _sqlite_on_connect)
@@ -171,8 +178,7 @@ class MetadataStore:
                     f"metadata store at {self.url_redacted} lacks part of the schema ({detail}); {_UPGRADE_HINT}"
                 ) from exc
             raise StoreUnavailable(
-                f"metadata store at {self.url_redacted} is unreachable: {detail}; "
-                "check SLUICEGATE_METADATA__URL and that the database is running and accepting connections"
+                f"metadata store at {self.url_redacted} is unreachable: {detail}; {self._reach_hint()}"
             ) from exc
         except DBAPIError as exc:
             if not self._is_missing_schema(exc):
@@ -180,6 +186,12 @@ class MetadataStore:
             raise SchemaOutdated(
                 f"metadata store at {self.url_redacted} lacks part of the schema ({self._detail(exc)}); {_UPGRADE_HINT}"
             ) from exc
+
+    def _reach_hint(self) -> str:
+        if self.dialect == "sqlite":
+            return "check SLUICEGATE_METADATA__URL and that the file can be opened and is not locked by another writer"
+        server = "PostgreSQL" if self.dialect == "postgresql" else "the database server"
+        return f"is {server} running and accepting connections there? check SLUICEGATE_METADATA__URL"
 
     def _detail(self, exc: Exception) -> str:
         # The driver's own message, without SQLAlchemy's SQL echo and background link; a password the
