@@ -13,6 +13,7 @@ from rich.table import Table
 
 from sluicegate.cli_common import cli_errors, console, load_settings
 from sluicegate.cli_data import check_app, dataset_app
+from sluicegate.cli_lineage import lineage_command
 from sluicegate.cli_models import models_app
 from sluicegate.cli_rollout import rollout_app
 from sluicegate.cli_train import train_command
@@ -31,6 +32,7 @@ app.add_typer(check_app, name="check")
 app.add_typer(models_app, name="models")
 app.add_typer(rollout_app, name="rollout")
 app.command("train")(train_command)
+app.command("lineage")(lineage_command)
 
 
 def _configure_logging(level: int = logging.INFO) -> None:
@@ -144,15 +146,24 @@ def serve(
 
 @app.command()
 def demo(
-    keep_running: Annotated[bool, typer.Option(help="Leave the stack up at the end.")] = False,
-    timeout: Annotated[float, typer.Option(help="Seconds to wait for the triggered flow run.")] = 300,
+    stop_at_end: Annotated[bool, typer.Option(help="Stop the stack at the end (default: leave it up).")] = False,
+    timeout: Annotated[float, typer.Option(help="Seconds to wait for each triggered pipeline run.")] = 900,
+    first_images: Annotated[int, typer.Option(help="Images in the first dataset version.")] = 600,
+    improved_images: Annotated[int, typer.Option(help="Images in the improved dataset version.")] = 1500,
 ) -> None:
-    """Bring up the stack, push a small dataset, watch the triggered pipeline run and its lineage."""
+    """The whole chain on the embedded stack: a first champion, a corrupt dataset stopped by the data gate,
+    an improved one through the canary to champion under traffic; then a summary and the UI links."""
     from sluicegate import demo as demo_run
 
     with cli_errors():
-        ok = demo_run.run(load_settings(), console, keep_running=keep_running, timeout=timeout)
-    if not ok:
+        report = demo_run.run(
+            load_settings(),
+            console,
+            steps=demo_run.default_steps(first_images, improved_images),
+            stop_at_end=stop_at_end,
+            timeout=timeout,
+        )
+    if not report.ok:
         raise typer.Exit(1)
 
 
