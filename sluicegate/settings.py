@@ -76,6 +76,9 @@ class EventSettings(Group):
         30, ge=1, description="Seconds a received SQS message stays hidden before redelivery."
     )
     webhook_port: int = Field(9102, description="Port of the bridge's HTTP webhook and /health.")
+    webhook_host: str = Field(
+        LOOPBACK, description="Address the webhook binds (0.0.0.0 in a container that MinIO reaches over a network)."
+    )
     webhook_token: SecretStr | None = Field(
         None, description="Bearer token the webhook requires; unset: no authentication (loopback only)."
     )
@@ -319,6 +322,9 @@ class StackSettings(Group):
     start_timeout: float = Field(120.0, gt=0, description="Seconds to wait for each part to become healthy.")
     stop_timeout: float = Field(20.0, gt=0, description="Seconds to wait for a part to exit before SIGKILL.")
     max_restarts: int = Field(3, ge=0, description="Restarts of a crashed part before the supervisor gives up on it.")
+    serving: bool = Field(
+        True, description="Run the local model server (rollout.local_grpc/local_http) that the local rollout drives."
+    )
 
 
 class Settings(BaseSettings):

@@ -10,7 +10,7 @@ from flows.events.sink import PrefectEventSink
 from flows.events.sources import EventSource, SqsSource
 from flows.events.webhook import webhook_app
 from sluicegate.metadata import MetadataStore
-from sluicegate.settings import LOOPBACK, Settings
+from sluicegate.settings import Settings
 
 log = logging.getLogger(__name__)
 
@@ -26,7 +26,7 @@ def build_bridge(settings: Settings, store: MetadataStore) -> tuple[Bridge, Pref
     return Bridge(store, sink), sink
 
 
-def serve(settings: Settings, host: str = LOOPBACK) -> None:
+def serve(settings: Settings, host: str | None = None) -> None:
     """Run until interrupted (SIGINT/SIGTERM stop the HTTP server, then the pollers)."""
     import uvicorn
 
@@ -45,7 +45,13 @@ def serve(settings: Settings, host: str = LOOPBACK) -> None:
     for thread in threads:
         thread.start()
     try:
-        uvicorn.run(app, host=host, port=settings.events.webhook_port, log_level="warning", access_log=False)
+        uvicorn.run(
+            app,
+            host=host or settings.events.webhook_host,
+            port=settings.events.webhook_port,
+            log_level="warning",
+            access_log=False,
+        )
     finally:
         stop.set()
         for thread in threads:
