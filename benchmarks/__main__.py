@@ -10,6 +10,7 @@ BENCHMARKS = (
     "benchmarks.serving_throughput",
     "benchmarks.observability_overhead",
     "benchmarks.rollout_time",
+    "benchmarks.demo_time",
 )
 
 if __name__ == "__main__":

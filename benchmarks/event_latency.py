@@ -86,6 +86,7 @@ def main() -> None:
         prefect={"port": free_port(), "runner_port": free_port(), "ui": False},
         mlflow={"port": free_port()},
         events={"webhook_port": free_port()},
+        stack={"serving": False},  # the event path only
     )
     samples: list[dict[str, float]] = []
     with console.status("starting the embedded stack..."), stack.running(settings):

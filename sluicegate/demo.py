@@ -1,109 +1,257 @@
-"""`sluicegate demo`: the embedded stack, a dataset pushed to S3, the pipeline it triggers, its lineage."""
+"""`sluicegate demo`: the whole chain on the embedded stack, in three dataset versions.
+
+1. a first dataset version lands in S3; its event runs the pipeline; every gate passes; the model is
+   served by the local model server and becomes champion;
+2. a corrupt version (skewed labels) is stopped by the data gate; the champion keeps serving;
+3. an improved (larger) version passes the eval gate against the champion and goes through the canary
+   (5% -> 20% -> 50% -> 100%) to champion while a client sends traffic.
+
+It ends with a summary table and the UI links, and leaves the stack running until `sluicegate down`.
+"""
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
-from rich.table import Table
-from rich.tree import Tree
-from sqlalchemy import select
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from sluicegate import stack
+from sluicegate.demo_traffic import Traffic, TrafficReport, load_inputs
+from sluicegate.demo_watch import Followed, TaskRun, follow
 from sluicegate.errors import SluicegateError
 from sluicegate.metadata import MetadataStore
-from sluicegate.metadata import repository as repo
-from sluicegate.metadata.models import Dataset, DatasetVersion, PipelineRun, S3Event
-from sluicegate.runs import FlowRun, wait_for_flow_run
+from sluicegate.runs import FlowRun
 from sluicegate.settings import Settings
-from tasks.transfer import push_directory
+
+DATASET = "pcb"
+DEMO_MARKER = "demo-settings"
+
+
+@dataclass(frozen=True)
+class Step:
+    """One dataset version of the demo."""
+
+    label: str
+    count: int
+    seed: int
+    corrupt: bool = False
+    expect: str = "COMPLETED"
+
+
+@dataclass
+class Outcome:
+    step: Step
+    data7: str
+    pushed_at: float
+    followed: Followed
+    finished_at: float
+    champion_after: str = ""
+    traffic: TrafficReport | None = None
+
+    @property
+    def flow_run(self) -> FlowRun | None:
+        return self.followed.flow_run
+
+    def stage_seconds(self) -> dict[str, float]:
+        totals: dict[str, float] = {}
+        for task in self.followed.tasks:
+            totals[task.name] = totals.get(task.name, 0.0) + task.seconds
+        return totals
+
+
+@dataclass
+class DemoReport:
+    outcomes: list[Outcome] = field(default_factory=list)
+    prefect_ui: str = ""
+    mlflow_ui: str = ""
+    ok: bool = False
+
+    def seconds_to_champion(self, index: int) -> float | None:
+        """Manifest PUT -> the run that made this version champion ended (event-to-promotion)."""
+        if index >= len(self.outcomes):
+            return None
+        outcome = self.outcomes[index]
+        return outcome.finished_at - outcome.pushed_at if outcome.champion_after else None
+
+
+def demo_settings(settings: Settings) -> Settings:
+    """The user's settings with what the demo needs: the canary runs after the eval gate, with steps held
+    for seconds rather than minutes, and enough traffic per step from the demo client to decide."""
+    data = settings.model_dump()
+    rollout = dict(data["rollout"])
+    rollout.update(after_pipeline=True, hold_seconds=6.0, analysis_interval_seconds=2.0, min_requests=20)
+    # A first model is judged on an absolute floor; the sizes below are chosen to clear it.
+    return Settings(**{**data, "rollout": rollout, "stack": {**data["stack"], "serving": True}})
+
+
+def default_steps(first: int = 600, improved: int = 1500) -> list[Step]:
+    return [
+        Step("v1-first", first, seed=101),
+        Step("v2-corrupt", first, seed=202, corrupt=True, expect="FAILED"),
+        Step("v3-improved", improved, seed=303),
+    ]
 
 
 def run(
-    settings: Settings, console: Console, *, keep_running: bool, timeout: float = 300, sample_count: int = 1500
-) -> bool:
-    """Returns True when the triggered pipeline run completed."""
+    settings: Settings,
+    console: Console,
+    *,
+    steps: list[Step] | None = None,
+    stop_at_end: bool = False,
+    timeout: float = 900,
+) -> DemoReport:
+    """Run the demo; returns what happened (``ok`` when every version ended as expected)."""
+    settings = demo_settings(settings)
+    report = DemoReport(prefect_ui=settings.prefect.url.removesuffix("/api"), mlflow_ui=settings.mlflow.url)
+    _start(settings, console)
+    store = MetadataStore(settings.metadata_url)
+    try:
+        report.ok = True
+        for number, step in enumerate(steps or default_steps(), start=1):
+            console.rule(f"[bold]{number + 1}. dataset version {step.label}")
+            outcome = _one_version(settings, store, console, step, timeout)
+            report.outcomes.append(outcome)
+            if outcome.flow_run is None or outcome.flow_run.state != step.expect:
+                report.ok = False
+                state = outcome.flow_run.state if outcome.flow_run else "no flow run"
+                console.print(f"[red]expected {step.expect}, got {state}; logs in {settings.home / 'logs'}[/red]")
+                break
+        from sluicegate.demo_summary import print_summary
+
+        print_summary(console, report, settings)
+    finally:
+        store.dispose()
+        if stop_at_end:
+            stack.down(settings)
+            console.print("the stack is stopped")
+        else:
+            console.print("the stack is still running: [bold]sluicegate down[/bold] stops it")
+    return report
+
+
+def _start(settings: Settings, console: Console) -> None:
     console.rule("[bold]1. the embedded stack")
-    with console.status("starting S3+SQS, Prefect, MLflow, the event bridge and the runner..."):
+    paths = stack.Paths(settings.home)
+    marker = paths.run / DEMO_MARKER
+    if stack.supervisor_alive(paths) and not _started_by_demo(paths, marker):
+        raise SluicegateError(
+            f"a stack started without the demo's settings is running from {settings.home}; "
+            "the demo starts its own (canary after the pipeline): run `sluicegate down` first"
+        )
+    with console.status("starting S3+SQS, Prefect, MLflow, the model server, the event bridge and the runner..."):
         state, started = stack.up(settings)
+    marker.write_text(str(state.supervisor_pid))  # this supervisor runs with the demo's settings
     console.print(
         f"stack {'started' if started else 'already running'}: "
         + ", ".join(f"{name} {part.url}" for name, part in state.parts.items())
     )
-    ok = False
-    try:
-        console.rule("[bold]2. a dataset version lands in S3")
-        from tasks.sample_data import make_sample
 
-        label = time.strftime("%Y-%m-%dT%H%M%S")
-        directory = settings.home / "demo" / label
-        with console.status(f"rendering {sample_count} PCB solder-joint images..."):
-            make_sample(directory, count=sample_count, seed=int(time.time()) % 10_000)
-        files = sum(1 for path in directory.rglob("*") if path.is_file())
-        with Progress(TextColumn("uploading"), BarColumn(), MofNCompleteColumn(), console=console) as bar:
-            task = bar.add_task("upload", total=files)
-            pushed = push_directory(settings, directory, "pcb", label, on_file=lambda _: bar.advance(task))
-        console.print(
-            f"pushed s3://{pushed.bucket}/{pushed.manifest_key} "
-            f"(data version {pushed.data_version[:7]}, {pushed.files} files, manifest last)"
+
+def _started_by_demo(paths: stack.Paths, marker: Path) -> bool:
+    state = stack.read_state(paths)
+    try:
+        return state is not None and int(marker.read_text()) == state.supervisor_pid
+    except (OSError, ValueError):
+        return False
+
+
+def _one_version(settings: Settings, store: MetadataStore, console: Console, step: Step, timeout: float) -> Outcome:
+    from tasks import registry
+
+    directory = _render(settings, console, step)
+    traffic = _traffic(settings, directory, console) if not step.corrupt and _champion(settings) else None
+    try:
+        if traffic is not None:
+            traffic.__enter__()
+        data7, pushed_at = _push(settings, console, directory, step)
+        followed = _follow(settings, store, console, step, pushed_at, timeout)
+        finished_at = time.time()
+    finally:
+        if traffic is not None:
+            traffic.__exit__(None, None, None)
+    holder = registry.alias_holder(settings.mlflow.url, settings.model.name, registry.CHAMPION)
+    outcome = Outcome(step, data7, pushed_at, followed, finished_at, traffic=traffic.report if traffic else None)
+    if holder is not None and holder.model_version.endswith(data7):
+        outcome.champion_after = holder.model_version
+        console.print(f"[green]champion[/green]: {holder.describe()}, serving 100% on {settings.rollout.local_grpc}")
+    elif holder is not None:
+        console.print(f"champion unchanged: {holder.describe()} keeps serving")
+    if traffic is not None:
+        sent = traffic.report
+        shares = ", ".join(f"{version}: {count}" for version, count in sorted(sent.by_version.items()))
+        console.print(f"client: {sent.sent} requests during the run ({shares}); {len(sent.errors)} failed")
+    return outcome
+
+
+def _render(settings: Settings, console: Console, step: Step) -> Path:
+    from tasks.sample_data import Corruption, make_sample
+
+    directory = settings.home / "demo" / f"{step.label}-{int(time.time())}"
+    corruption = Corruption.SKEWED_LABELS if step.corrupt else None
+    with Progress(
+        TextColumn(f"rendering {step.count} PCB images"), BarColumn(), MofNCompleteColumn(), console=console
+    ) as bar:
+        task = bar.add_task("render", total=step.count)
+        advance = lambda _: bar.advance(task)  # noqa: E731
+        make_sample(directory, count=step.count, seed=step.seed, corrupt=corruption, on_image=advance)
+    return directory
+
+
+def _push(settings: Settings, console: Console, directory: Path, step: Step) -> tuple[str, float]:
+    from tasks.transfer import push_directory
+
+    files = sum(1 for path in directory.rglob("*") if path.is_file())
+    with Progress(TextColumn("uploading to S3"), BarColumn(), MofNCompleteColumn(), console=console) as bar:
+        task = bar.add_task("upload", total=files)
+        pushed = push_directory(settings, directory, DATASET, step.label, on_file=lambda _: bar.advance(task))
+    pushed_at = time.time()  # the manifest is uploaded last: its PUT is the dataset version's event
+    what = " (labels skewed on purpose)" if step.corrupt else ""
+    console.print(f"pushed s3://{pushed.bucket}/{pushed.manifest_key}{what}: data version {pushed.data_version[:7]}")
+    return pushed.data_version[:7], pushed_at
+
+
+def _follow(
+    settings: Settings, store: MetadataStore, console: Console, step: Step, pushed_at: float, timeout: float
+) -> Followed:
+    key = f"{settings.storage.datasets_prefix}{DATASET}/{step.label}/manifest.csv"
+
+    def elapsed() -> str:
+        return f"+{time.time() - pushed_at:6.1f} s"
+
+    def on_state(run: FlowRun) -> None:
+        message = f": {run.state_message}" if run.final and run.state_message else ""
+        console.print(f"  {elapsed()}  flow run [cyan]{run.name}[/cyan] {run.state}{message}")
+
+    def on_task(task: TaskRun) -> None:
+        mark = "[green]done[/green]" if task.state == "COMPLETED" else f"[red]{task.state}[/red]"
+        console.print(f"  {elapsed()}    {task.name:24} {mark} {task.seconds:6.1f} s")
+
+    def on_step(canary: tuple[int, str, str]) -> None:
+        weight, decision, reason = canary
+        colour = {"pass": "green", "fail": "red"}.get(decision, "yellow")
+        console.print(f"  {elapsed()}    canary {weight:3d}%  [{colour}]{decision}[/{colour}] {reason[:90]}")
+
+    with Progress(TextColumn("waiting for the pipeline"), TimeElapsedColumn(), console=console, transient=True):
+        return follow(
+            settings.prefect.url, store, key, timeout=timeout, on_task=on_task, on_step=on_step, on_state=on_state
         )
 
-        console.rule("[bold]3. the S3 event triggers the pipeline")
-        put_at = time.time()
 
-        def show(run: FlowRun) -> None:
-            console.print(f"  +{time.time() - put_at:5.1f} s  flow run [cyan]{run.name}[/cyan]: {run.state}")
+def _champion(settings: Settings) -> Any:
+    from tasks import registry
 
-        with console.status("waiting for the flow run..."):
-            flow_run = wait_for_flow_run(settings.prefect.url, pushed.manifest_key, timeout=timeout, on_change=show)
-        if flow_run is None:
-            console.print(f"[red]no flow run finished within {timeout:.0f} s; see {settings.home / 'logs'}[/red]")
-            return False
-        ok = flow_run.state == "COMPLETED"
-        if not ok:
-            console.print(f"[red]the flow run ended {flow_run.state}: {flow_run.state_message}[/red]")
-
-        console.rule("[bold]4. lineage")
-        console.print(lineage_tree(settings, flow_run))
-        ui = settings.prefect.url.removesuffix("/api")
-        console.print(f"Prefect: {ui}/runs/flow-run/{flow_run.id}\nMLflow:  {settings.mlflow.url}")
-    finally:
-        if not keep_running:
-            console.rule("[bold]5. stopping")
-            stack.down(settings)
-            console.print("the stack is stopped (run with --keep-running to leave it up)")
-    return ok
+    return registry.alias_holder(settings.mlflow.url, settings.model.name, registry.CHAMPION)
 
 
-def lineage_tree(settings: Settings, flow_run: FlowRun) -> Tree | Table:
-    store = MetadataStore(settings.metadata_url)
-    try:
-        with store.session() as session:
-            run = session.scalars(select(PipelineRun).where(PipelineRun.prefect_flow_run_id == flow_run.id)).first()
-            if run is None:
-                raise SluicegateError(f"no pipeline-run row for flow run {flow_run.id}")
-            tree = Tree(f"pipeline run [bold]{run.id}[/bold]: {run.status} (trigger {run.trigger})")
-            tree.add(f"Prefect flow run {flow_run.name} ({flow_run.id})")
-            event = session.scalars(select(S3Event).where(S3Event.event_id == run.trigger_event_id)).first()
-            if event is not None:
-                tree.add(
-                    f"event {event.event_id}: s3://{event.bucket}/{event.key} etag {event.etag} via {event.source}"
-                )
-            if run.dataset_version_id is not None:
-                version = session.get(DatasetVersion, run.dataset_version_id)
-                assert version is not None
-                dataset = session.get(Dataset, version.dataset_id)
-                node = tree.add(f"dataset {dataset.name if dataset else '?'} data version {version.data_version}")
-                node.add(
-                    f"{version.num_objects} objects pinned to S3 versions "
-                    f"(manifest version {version.manifest_version_id})"
-                )
-            for gate in repo.gate_results_for_run(session, run.id):
-                verdict = "passed" if gate.passed else "[red]FAILED[/red]"
-                tree.add(f"{gate.gate} gate {verdict}: report {gate.report_uri}")
-            tree.add(f"code {run.code_version}{' (dirty)' if run.code_dirty else ''}")
-            tree.add(f"MLflow run {run.mlflow_run_id}")
-            return tree
-    finally:
-        store.dispose()
+def _traffic(settings: Settings, directory: Path, console: Console) -> Traffic:
+    from serving.preprocessing import PreprocessSpec
+
+    p = settings.preprocessing
+    spec = PreprocessSpec(height=p.height, width=p.width, colour=p.colour, mean=p.mean, std=p.std)
+    inputs = load_inputs(sorted((directory / "images").glob("*.png")), spec)
+    console.print(f"a client sends {settings.model.name} requests to {settings.rollout.local_grpc} throughout")
+    return Traffic(settings.rollout.local_grpc, settings.model.name, inputs, spec)

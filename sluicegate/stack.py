@@ -1,5 +1,5 @@
-"""The embedded stack: S3+SQS (moto), Prefect server, MLflow server, the event bridge and a runner,
-as supervised child processes of one detached supervisor.
+"""The embedded stack: S3+SQS (moto), Prefect server, MLflow server, the local model server, the event
+bridge and a runner, as supervised child processes of one detached supervisor.
 
 ``up`` starts the supervisor and waits until every part is healthy; the supervisor restarts a part
 that dies (up to ``stack.max_restarts``) and, on SIGTERM, stops every part and every process those
@@ -37,7 +37,7 @@ STARTING = "starting"
 FAILED = "failed"
 STOPPED = "stopped"
 # Started together first; the bridge and the runner are their clients and start after them.
-SERVICES = ("s3", "prefect", "mlflow")
+SERVICES = ("s3", "prefect", "mlflow", "serving")
 
 
 @dataclass(frozen=True)
@@ -108,6 +108,9 @@ def child_env(settings: Settings) -> dict[str, str]:
     env = {name: value for name, value in os.environ.items() if not name.startswith("SLUICEGATE_")}
     env.update(settings.to_env())
     env.update(storage.credentials_env(settings))
+    if settings.stack.serving and settings.rollout.admin_token is None:
+        # Flow runs move the local server's traffic with the token the stack gave it.
+        env["SLUICEGATE_ROLLOUT__ADMIN_TOKEN"] = local_admin_token(settings)
     env.update(
         {
             "PREFECT_API_URL": settings.prefect.url,
@@ -169,6 +172,8 @@ def parts(settings: Settings) -> list[Part]:
                 {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"},
             )
         )
+    if settings.stack.serving:
+        chosen.append(_serving_part(settings))
     chosen.append(
         Part(
             "bridge",
@@ -192,6 +197,39 @@ def parts(settings: Settings) -> list[Part]:
         )
     )
     return chosen
+
+
+def _serving_part(settings: Settings) -> Part:
+    """The local model server the local rollout platform drives: it serves ``rollout.local_repository``
+    (empty until the first rollout) and logs one JSON line per request to ``<home>/logs/serving.log``,
+    which ``sluicegate lineage REQUEST_ID`` reads."""
+    from tasks.rollout.config import local_repository
+
+    r = settings.rollout
+    grpc_port = r.local_grpc.rsplit(":", 1)[1]
+    http_port = httpx.URL(r.local_http).port
+    repository = local_repository(settings)
+    repository.mkdir(parents=True, exist_ok=True)
+    token = r.admin_token.get_secret_value() if r.admin_token else local_admin_token(settings)
+    argv = [sys.executable, "-m", "serving", "--repo", str(repository), "--grpc-port", grpc_port]
+    argv += ["--http-port", str(http_port), "--host", LOOPBACK]
+    env = {"SLUICEGATE_SERVING__ADMIN_TOKEN": token, "SLUICEGATE_SERVING__CACHE_DIR": str(settings.home / "cache")}
+    return Part("serving", argv, f"{r.local_http.rstrip('/')}/health/live", r.local_grpc, env)
+
+
+def local_admin_token(settings: Settings) -> str:
+    """The local server's admin token, made once per home (mode 0600) when none is configured."""
+    import secrets
+
+    from tasks.rollout.config import admin_token_file
+
+    path = admin_token_file(settings)
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as handle:
+            handle.write(secrets.token_urlsafe(32))
+    return path.read_text().strip()
 
 
 def healthy(url: str, timeout: float = 2.0) -> bool:

@@ -43,6 +43,11 @@ def local_repository(settings: Settings) -> Path:
     return settings.rollout.local_repository or settings.home / "serving-repo"
 
 
+def admin_token_file(settings: Settings) -> Path:
+    """Where the embedded stack keeps the admin token it gave its local server when none is configured."""
+    return settings.home / "serving-admin-token"
+
+
 def platform_from_settings(settings: Settings, fetch: Fetch | None = None) -> RolloutPlatform:
     r = settings.rollout
     if r.platform == "kubernetes":
@@ -51,16 +56,22 @@ def platform_from_settings(settings: Settings, fetch: Fetch | None = None) -> Ro
         return KubernetesPlatform(
             api_client_from_environment(), namespace=r.namespace, istio=r.istio, ready_timeout_s=r.ready_timeout_seconds
         )
-    if r.admin_token is None:
+    token_file = admin_token_file(settings)
+    if r.admin_token is not None:
+        token = r.admin_token.get_secret_value()
+    elif token_file.is_file():
+        token = token_file.read_text().strip()
+    else:
         raise ValueError(
             "SLUICEGATE_ROLLOUT__ADMIN_TOKEN is unset: the local rollout moves traffic with the server's admin "
-            "token; set it to the server's SLUICEGATE_SERVING__ADMIN_TOKEN"
+            "token; set it to the server's SLUICEGATE_SERVING__ADMIN_TOKEN "
+            f"(the embedded stack keeps it in {token_file})"
         )
     return LocalPlatform(
         local_repository(settings),
         r.local_grpc,
         r.local_http,
-        r.admin_token.get_secret_value(),
+        token,
         fetch=fetch,
         ready_timeout_s=r.ready_timeout_seconds,
     )

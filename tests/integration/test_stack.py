@@ -31,19 +31,20 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 
 def stack_settings(home: Path, **overrides: Any) -> Settings:
-    return Settings(
-        home=home,
-        storage={"port": free_port()},
-        prefect={"port": free_port(), "runner_port": free_port(), "ui": False},
-        mlflow={"port": free_port()},
-        events={"webhook_port": free_port()},
-        stack={"start_timeout": 180, "stop_timeout": 15},
-        training={"epochs": 2, "width": 8},
+    """Free ports and short training; ``overrides`` replace whole groups (e.g. ``training={...}``)."""
+    groups: dict[str, Any] = {
+        "storage": {"port": free_port()},
+        "prefect": {"port": free_port(), "runner_port": free_port(), "ui": False},
+        "mlflow": {"port": free_port()},
+        "events": {"webhook_port": free_port()},
+        "stack": {"start_timeout": 180, "stop_timeout": 15},
+        "rollout": {"local_grpc": f"127.0.0.1:{free_port()}", "local_http": f"http://127.0.0.1:{free_port()}"},
+        "training": {"epochs": 2, "width": 8},
         # Wiring, not model quality: two-epoch runs on random images have no stable final loss.
-        train_gate={"final_loss_tolerance": 100.0, "memory_tolerance": 100.0},
-        eval_gate={"first_model_min_accuracy": 0.0, "latency_iterations": 30, "warmup_iterations": 5},
-        **overrides,
-    )
+        "train_gate": {"final_loss_tolerance": 100.0, "memory_tolerance": 100.0},
+        "eval_gate": {"first_model_min_accuracy": 0.0, "latency_iterations": 30, "warmup_iterations": 5},
+    }
+    return Settings(home=home, **{**groups, **overrides})
 
 
 def all_pids(settings: Settings) -> set[int]:
@@ -96,7 +97,7 @@ def test_up_again_is_a_no_op_and_status_is_healthy(running_stack: Settings) -> N
     assert all_pids(running_stack) == before
     overall, rows = stack.status(running_stack)
     assert overall == stack.READY
-    assert {row.name for row in rows} == {"s3", "prefect", "mlflow", "bridge", "runner"}
+    assert {row.name for row in rows} == {"s3", "prefect", "mlflow", "serving", "bridge", "runner"}
     assert all(row.healthy and row.running for row in rows)
 
 
@@ -105,6 +106,10 @@ def test_manifest_upload_runs_the_pipeline_and_records_lineage(running_stack: Se
     run = wait_for_run(running_stack, key)
     assert run["state_type"] == "COMPLETED", run["state"]
     assert run["name"].startswith("pipeline/pcb@")
+    # Tags operators filter on: the deployment's, plus the dataset, data and code versions.
+    data7 = run["name"].split("@")[1]
+    assert {"pipeline", "dataset:pcb", f"data:{data7}"} <= set(run["tags"])
+    assert any(tag.startswith("code:") for tag in run["tags"])
     store = MetadataStore(running_stack.metadata_url)
     with store.session() as session:
         row = session.scalars(select(PipelineRun).where(PipelineRun.prefect_flow_run_id == run["id"])).one()
@@ -232,3 +237,110 @@ def test_a_part_that_cannot_start_is_named_with_its_log(tmp_path: Path) -> None:
         blocker.close()
         stack.down(settings)
     assert not stack.supervisor_alive(stack.Paths(settings.home))
+
+
+def _flow_run_process(settings: Settings, flow_run_id: str) -> psutil.Process | None:
+    """The runner's subprocess executing ``flow_run_id`` (the runner gives it PREFECT__FLOW_RUN_ID)."""
+    state = stack.read_state(stack.Paths(settings.home))
+    assert state is not None and state.parts["runner"].pid
+    # The topmost one: the flow run's own process, not a helper process it started.
+    for child in psutil.Process(state.parts["runner"].pid).children(recursive=False):
+        with contextlib.suppress(psutil.Error):
+            if child.environ().get("PREFECT__FLOW_RUN_ID") == flow_run_id:
+                return child
+    return None
+
+
+def _wait(what: str, predicate: Any, timeout: float = 180) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = predicate()
+        if found:
+            return found
+        time.sleep(0.2)
+    pytest.fail(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+def test_a_pipeline_killed_mid_run_is_rerun_without_duplicates(running_stack: Settings) -> None:
+    from sluicegate.metadata.models import ModelVersion
+    from tasks import registry
+
+    key = upload_dataset(running_stack, "pcb", "killed", count=6, seed=5)
+    store = MetadataStore(running_stack.metadata_url)
+
+    def packaged() -> dict[str, Any] | None:
+        # Killed once its model version is written and registered: the eval gate is still to come.
+        runs = flow_runs_for(running_stack, key)
+        if not runs:
+            return None
+        with store.session() as session:
+            row = session.scalars(select(PipelineRun).where(PipelineRun.prefect_flow_run_id == runs[0]["id"])).first()
+            if row is None or session.scalars(select(ModelVersion).filter_by(pipeline_run_id=row.id)).first() is None:
+                return None
+        return runs[0]
+
+    first = _wait("the model version of the first run", packaged)
+    process = _wait("the flow run's process", lambda: _flow_run_process(running_stack, first["id"]))
+    process.kill()  # as the OOM killer would: no handler runs, nothing is recorded as finished
+    crashed = wait_for_run(running_stack, key)
+    assert crashed["id"] == first["id"] and crashed["state_type"] == "CRASHED"
+
+    # The operator runs the deployment again with the same parameters (`prefect deployment run`, the UI).
+    api = running_stack.prefect.url
+    deployment = httpx.get(f"{api}/deployments/name/pipeline/dataset-pipeline").json()
+    rerun = httpx.post(
+        f"{api}/deployments/{deployment['id']}/create_flow_run", json={"parameters": first["parameters"]}
+    ).json()
+    finished = _wait(
+        "the re-run to finish",
+        lambda: next((r for r in flow_runs_for(running_stack, key) if r["id"] == rerun["id"] and r["end_time"]), None),
+    )
+    runner_log = (running_stack.home / "logs" / "runner.log").read_text()[-4000:]
+    assert finished["state_type"] == "COMPLETED", f"{finished['state']}\nrunner log:\n{runner_log}"
+
+    with store.session() as session:
+        runs = session.scalars(
+            select(PipelineRun).where(PipelineRun.prefect_flow_run_id.in_([first["id"], rerun["id"]]))
+        )
+        (row,) = runs.all()  # one row: the re-run took the abandoned one over
+        assert row.prefect_flow_run_id == rerun["id"] and row.status == "succeeded"
+        assert row.parameters["taken_over_from"] == [{"flow_run_id": first["id"], "state": "CRASHED"}]
+        models = session.scalars(select(ModelVersion).filter_by(pipeline_run_id=row.id)).all()
+        assert len(models) == 1
+        model_version, mlflow_run_id = models[0].version, row.mlflow_run_id
+        gates = [g.gate for g in repo.gate_results_for_run(session, row.id)]
+        assert len(gates) == len(set(gates)) and "eval" in gates
+    store.dispose()
+    tagged = [v for v in registry.list_versions(running_stack.mlflow.url, running_stack.model.name)]
+    assert [v.model_version for v in tagged].count(model_version) == 1  # one registry version, not two
+    tracker = lineage.client(running_stack.mlflow.url)
+    experiment = lineage.experiment_id(tracker, running_stack.mlflow.experiment)
+    same_run = tracker.search_runs([experiment], f"tags.`{lineage.TAG_PIPELINE_RUN}` = '{row.id}'")
+    assert [r.info.run_id for r in same_run] == [mlflow_run_id]
+
+
+def test_two_datasets_landing_together_run_side_by_side(running_stack: Settings) -> None:
+    from sluicegate.metadata.models import ModelVersion
+
+    # Different sizes, so different manifests and data versions (the data version is the manifest's sha256).
+    keys = [
+        upload_dataset(running_stack, name, "together", count=count, seed=seed)
+        for name, count, seed in (("pcb", 6, 7), ("pcb-b", 9, 8))
+    ]
+    runs = [wait_for_run(running_stack, key, timeout=300) for key in keys]
+    assert [run["state_type"] for run in runs] == ["COMPLETED", "COMPLETED"], [run["state"] for run in runs]
+    assert runs[0]["name"].startswith("pipeline/pcb@") and runs[1]["name"].startswith("pipeline/pcb-b@")
+    starts = sorted((run["start_time"], run["end_time"]) for run in runs)
+    assert starts[1][0] < starts[0][1]  # they overlapped: neither waited for the other
+    store = MetadataStore(running_stack.metadata_url)
+    with store.session() as session:
+        rows = [
+            session.scalars(select(PipelineRun).where(PipelineRun.prefect_flow_run_id == run["id"])).one()
+            for run in runs
+        ]
+        assert [row.dataset_version.dataset.name for row in rows if row.dataset_version] == ["pcb", "pcb-b"]
+        models = [session.scalars(select(ModelVersion).filter_by(pipeline_run_id=row.id)).one() for row in rows]
+        assert models[0].version != models[1].version
+        assert models[0].data_version != models[1].data_version
+        assert len({row.mlflow_run_id for row in rows}) == 2
+    store.dispose()

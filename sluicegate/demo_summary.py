@@ -1,0 +1,113 @@
+"""The demo's closing summary: dataset versions, gate outcomes, model versions, canary steps, timings."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from rich.console import Console
+from rich.table import Table
+from sqlalchemy import select
+
+from sluicegate.metadata import MetadataStore
+from sluicegate.metadata.models import GateResult, ModelVersion, PipelineRun
+
+if TYPE_CHECKING:
+    from sluicegate.demo import DemoReport, Outcome
+    from sluicegate.settings import Settings
+
+FIRST_CHAMPION_TARGET_S = 300.0
+STAGES = ("resolve-dataset", "data-gate", "feature-gate", "train", "convert", "package-model", "eval-gate")
+
+
+def recorded(store: MetadataStore, flow_run_id: str) -> tuple[list[tuple[str, bool]], str]:
+    """(gate, passed) in the order they ran, and the model version, for a pipeline flow run."""
+    with store.session() as session:
+        run = session.scalars(select(PipelineRun).where(PipelineRun.prefect_flow_run_id == flow_run_id)).first()
+        if run is None:
+            return [], ""
+        gates = session.scalars(select(GateResult).where(GateResult.pipeline_run_id == run.id).order_by(GateResult.id))
+        model = session.scalars(select(ModelVersion).where(ModelVersion.pipeline_run_id == run.id)).first()
+        return [(gate.gate, gate.passed) for gate in gates], model.version if model else ""
+
+
+def print_summary(console: Console, report: DemoReport, settings: Settings) -> None:
+    console.rule("[bold]summary")
+    store = MetadataStore(settings.metadata_url)
+    try:
+        console.print(_versions_table(store, report))
+    finally:
+        store.dispose()
+    console.print(_stages_table(report))
+    for outcome in report.outcomes:
+        if any(weight < 100 for weight, _, _ in outcome.followed.steps):
+            console.print(_canary_table(outcome))
+    _print_timings(console, report)
+    console.print(f"Prefect UI: {report.prefect_ui}/runs  (flow runs, task runs, artifacts)")
+    console.print(f"MLflow UI:  {report.mlflow_ui}/#/models/{settings.model.name}")
+
+
+def _versions_table(store: MetadataStore, report: DemoReport) -> Table:
+    table = Table(title="dataset versions")
+    for column in ("dataset version", "images", "data", "flow run", "outcome", "gates", "model version", "champion"):
+        table.add_column(column)
+    for outcome in report.outcomes:
+        run = outcome.flow_run
+        gates, model = recorded(store, run.id) if run else ([], "")
+        marks = " ".join(f"{name} {'ok' if passed else '[red]FAIL[/red]'}" for name, passed in gates)
+        state = run.state if run else "no run"
+        colour = "green" if state == "COMPLETED" else "red"
+        table.add_row(
+            outcome.step.label,
+            str(outcome.step.count),
+            outcome.data7,
+            run.name if run else "-",
+            f"[{colour}]{state}[/{colour}]",
+            marks or "-",
+            model or "-",
+            "yes" if outcome.champion_after else "no",
+        )
+    return table
+
+
+def _stages_table(report: DemoReport) -> Table:
+    table = Table(title="wall time per stage (s), from Prefect's task runs")
+    table.add_column("stage")
+    for outcome in report.outcomes:
+        table.add_column(outcome.step.label, justify="right")
+    seconds = [outcome.stage_seconds() for outcome in report.outcomes]
+    names = [name for name in STAGES if any(name in row for row in seconds)]
+    names += sorted({name for row in seconds for name in row} - set(STAGES) - {"rollout"})
+    for name in names:
+        table.add_row(name, *(f"{row[name]:.1f}" if name in row else "-" for row in seconds))
+    table.add_row(
+        "[bold]manifest PUT -> run ended[/bold]", *(f"{o.finished_at - o.pushed_at:.1f}" for o in report.outcomes)
+    )
+    return table
+
+
+def _canary_table(outcome: Outcome) -> Table:
+    table = Table(title=f"canary of {outcome.step.label}")
+    for column in ("canary weight", "decision", "reason"):
+        table.add_column(column)
+    for weight, decision, reason in outcome.followed.steps:
+        table.add_row(f"{weight}%", decision, reason[:100])
+    return table
+
+
+def _print_timings(console: Console, report: DemoReport) -> None:
+    first = report.seconds_to_champion(0)
+    if first is not None:
+        verdict = "within" if first <= FIRST_CHAMPION_TARGET_S else "[red]over[/red]"
+        console.print(
+            f"first champion serving {first:.0f} s after the first push ({verdict} the "
+            f"{FIRST_CHAMPION_TARGET_S:.0f} s target)"
+        )
+    last = report.outcomes[-1] if report.outcomes else None
+    if last is not None and last.champion_after and len(report.outcomes) > 1:
+        console.print(f"event-to-promotion of {last.step.label}: {last.finished_at - last.pushed_at:.0f} s")
+    if last is not None and last.traffic is not None:
+        traffic = last.traffic
+        console.print(
+            f"client traffic during the canary: {traffic.sent} requests, {len(traffic.errors)} failed; "
+            f"trace one: [bold]sluicegate lineage {traffic.last_request_id}[/bold]"
+        )
