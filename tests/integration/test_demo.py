@@ -39,6 +39,7 @@ def test_the_demo_chain_from_first_push_to_a_canary_promoted_under_traffic(
     settings = stack_settings(
         tmp_path,
         training={"epochs": 12, "width": 8},
+        train_gate={},  # the defaults, as the demo runs: the improved version must pass them against the first
         # The demo's own floor (0.8) is for its 600-image first version; wiring here, not model quality.
         eval_gate={
             "first_model_min_accuracy": 0.3,
