@@ -210,10 +210,14 @@ class TrainGateSettings(Group):
         0.1, gt=0, description="Largest mean |2nd difference| of the min-max normalised training-loss curve."
     )
     final_loss_tolerance: float = Field(
-        0.05, ge=0, description="Final loss at most this fraction above the mean of earlier runs' final losses (lower passes)."
+        0.05,
+        ge=0,
+        description="Final loss at most this fraction above the mean of earlier runs' final losses (lower passes).",
     )
     memory_tolerance: float = Field(
-        0.10, ge=0, description="Peak memory at most this fraction above the mean of earlier runs' peaks (lower passes)."
+        0.10,
+        ge=0,
+        description="Peak memory at most this fraction above the mean of earlier runs' peaks (lower passes).",
     )
     history_runs: int = Field(10, ge=1, description="How many earlier runs of the model form the history.")
 

@@ -16,9 +16,7 @@ from pathlib import Path
 from typing import Any
 from uuid import UUID
 
-import boto3
 import pytest
-from botocore.config import Config
 from moto.server import ThreadedMotoServer
 from prefect import flow
 
@@ -26,7 +24,7 @@ from flows.wrappers import stage
 from sluicegate.errors import StoreUnavailable
 from sluicegate.metadata import MetadataStore
 from sluicegate.transient import is_transient
-from tests.fixtures.services import LOOPBACK, Service, free_port, start_mlflow
+from tests.fixtures.services import LOOPBACK, Service, free_port, single_try_s3, start_mlflow
 
 BUCKET = "outage-test"
 OUTAGE_S = 4.0
@@ -44,14 +42,7 @@ def prefect(prefect_api: str) -> Iterator[str]:
 
 
 def s3(endpoint: str) -> Any:
-    return boto3.session.Session().client(
-        "s3",
-        endpoint_url=endpoint,
-        region_name="us-east-1",
-        aws_access_key_id="testing",
-        aws_secret_access_key="testing",
-        config=Config(retries={"mode": "standard", "max_attempts": 1}, connect_timeout=2, read_timeout=10),
-    )
+    return single_try_s3(endpoint, read_timeout=10)
 
 
 def _read_object(endpoint: str, key: str) -> str:

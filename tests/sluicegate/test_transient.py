@@ -9,18 +9,16 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-import boto3
 import httpx
 import pytest
 import requests
-from botocore.config import Config
 from sqlalchemy import create_engine, text
 
 from sluicegate.errors import ConfigError, DatasetError, GateFailed, SchemaOutdated, StorageError, StoreUnavailable
 from sluicegate.metadata import MetadataStore
 from sluicegate.transient import is_transient
 from tests.fixtures.postgres import PostgresCluster
-from tests.fixtures.services import LOOPBACK, free_port
+from tests.fixtures.services import LOOPBACK, free_port, single_try_s3
 
 SLOW_DOWN = (
     b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>SlowDown</Code>'
@@ -37,15 +35,7 @@ def raised(call: Callable[[], object]) -> BaseException:
 
 
 def s3(endpoint: str) -> Any:
-    # One attempt: the error the classifier sees is the first one, not botocore's last retry.
-    return boto3.session.Session().client(
-        "s3",
-        endpoint_url=endpoint,
-        region_name="us-east-1",
-        aws_access_key_id="testing",
-        aws_secret_access_key="testing",
-        config=Config(retries={"mode": "standard", "max_attempts": 1}, connect_timeout=2, read_timeout=5),
-    )
+    return single_try_s3(endpoint, read_timeout=5)
 
 
 class _Answer(BaseHTTPRequestHandler):
