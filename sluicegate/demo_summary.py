@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from rich import box
 from rich.console import Console
 from rich.table import Table
 from sqlalchemy import select
@@ -47,26 +48,34 @@ def print_summary(console: Console, report: DemoReport, settings: Settings) -> N
 
 
 def _versions_table(store: MetadataStore, report: DemoReport) -> Table:
-    table = Table(title="dataset versions")
-    for column in ("dataset version", "images", "data", "flow run", "outcome", "gates", "model version", "champion"):
-        table.add_column(column)
+    # Fits an 80-column terminal (piped output is 80 wide): no vertical rules, no flow-run column (its name
+    # is pipeline/<dataset>@<data>), image counts in the stage log above, gates "5 ok" or the one that failed.
+    table = Table(title="dataset versions", box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
+    for column in ("version", "data", "outcome", "gates", "model version", "champion"):
+        table.add_column(column, no_wrap=True)
     for outcome in report.outcomes:
         run = outcome.flow_run
         gates, model = recorded(store, run.id) if run else ([], "")
-        marks = " ".join(f"{name} {'ok' if passed else '[red]FAIL[/red]'}" for name, passed in gates)
         state = run.state if run else "no run"
         colour = "green" if state == "COMPLETED" else "red"
         table.add_row(
             outcome.step.label,
-            str(outcome.step.count),
             outcome.data7,
-            run.name if run else "-",
             f"[{colour}]{state}[/{colour}]",
-            marks or "-",
+            _gates_cell(gates),
             model or "-",
             "yes" if outcome.champion_after else "no",
         )
     return table
+
+
+def _gates_cell(gates: list[tuple[str, bool]]) -> str:
+    failed = [name for name, passed in gates if not passed]
+    if not gates:
+        return "-"
+    if not failed:
+        return f"{len(gates)} ok"
+    return f"[red]{' '.join(failed)} FAIL[/red]"
 
 
 def _stages_table(report: DemoReport) -> Table:

@@ -63,11 +63,28 @@ def prometheus(two_versions: RunningServer, tmp_path: Path) -> Iterator[str]:
     log = (tmp_path / "prometheus.log").open("wb")
     argv = [binary("prometheus"), f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'tsdb'}"]
     proc = subprocess.Popen([*argv, f"--web.listen-address=127.0.0.1:{port}"], stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
     try:
-        yield f"http://127.0.0.1:{port}"
+        _wait_ready(url, proc, tmp_path / "prometheus.log")
+        yield url
     finally:
         proc.terminate()
         proc.wait(15)
+
+
+def _wait_ready(url: str, proc: subprocess.Popen[bytes], log: Path, timeout: float = 60) -> None:
+    """Until Prometheus answers /-/ready: it loads its TSDB first, seconds on a busy machine."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"prometheus exited with {proc.returncode}:\n{log.read_text()[-2000:]}")
+        try:
+            if httpx.get(f"{url}/-/ready", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    pytest.fail(f"prometheus not ready at {url} within {timeout:.0f} s:\n{log.read_text()[-2000:]}")
 
 
 def test_prometheus_source_reads_each_versions_traffic(two_versions: RunningServer, prometheus: str) -> None:
