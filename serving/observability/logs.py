@@ -225,7 +225,12 @@ class RequestLogger:
             "trace_id": trace_id,
         }
         level = logging.INFO if status == "OK" else logging.WARNING
-        self._logger.log(level, "inference", extra={_RECORD_KEY: MappingProxyType(fields)})
+        logger = self._logger
+        if logger.isEnabledFor(level):
+            # makeRecord + handle rather than logger.log: the same handlers, filters and levels, without
+            # findCaller's walk up the stack (a source line says nothing about a request line).
+            extra = {_RECORD_KEY: MappingProxyType(fields)}
+            logger.handle(logger.makeRecord(logger.name, level, "", 0, "inference", None, None, extra=extra))
         return True
 
 

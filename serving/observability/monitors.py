@@ -11,6 +11,8 @@ more batches one drain takes. Nothing of it is on a request's path.
 
 from __future__ import annotations
 
+import math
+
 import threading
 from collections.abc import Mapping
 from typing import Any
@@ -132,11 +134,32 @@ def _stack(arrays: list[Array | None]) -> Array | None:
         return None
 
 
+# Up to this many logits the confidence is computed on Python floats: numpy's per-call overhead (~12 us
+# for a 1x4 softmax) was a tenth of a small model's request-log line, paid for every logged request.
+_SMALL_LOGITS = 64
+
+
 def min_confidence(logits: Array | None) -> float | None:
     """The request log's ``output_confidence``: the least sure row's top softmax probability."""
     if logits is None or np.ndim(logits) != 2 or logits.shape[0] == 0 or logits.shape[1] == 0:
         return None
     try:
+        if logits.size <= _SMALL_LOGITS:
+            small = _small_min_confidence(np.asarray(logits, dtype=np.float64).tolist())
+            if small is not None:
+                return small
         return float(softmax(logits).max(axis=1).min())
     except (TypeError, ValueError):
         return None
+
+
+def _small_min_confidence(rows: list[list[float]]) -> float | None:
+    """The same as softmax's top probability, per row, then the least: 1 / sum(exp(x - max)). None when
+    a logit is not finite (the numpy path then gives what softmax gives)."""
+    least = 1.0
+    for row in rows:
+        if not all(math.isfinite(value) for value in row):
+            return None
+        top = max(row)
+        least = min(least, 1.0 / math.fsum(math.exp(value - top) for value in row))
+    return least

@@ -139,3 +139,26 @@ def test_bad_parameters_are_refused() -> None:
         EntropyMonitor(window=0)
     with pytest.raises(ValueError, match="collapse_class_share"):
         EntropyMonitor(collapse_class_share=0)
+
+
+@pytest.mark.parametrize("shape", [(1, 4), (3, 2), (8, 8), (1, 64), (2, 40)])
+def test_min_confidence_small_path_matches_softmax(shape: tuple[int, int]) -> None:
+    # Up to 64 logits it is computed on Python floats; above, with numpy; both must give softmax's answer.
+    from serving.observability.monitors import min_confidence
+
+    rng = np.random.default_rng(sum(shape))
+    for scale in (0.1, 3.0, 80.0):  # 80: exp overflows without the max shift
+        logits = (rng.normal(size=shape) * scale).astype(np.float32)
+        expected = float(softmax(logits).max(axis=1).min())
+        assert min_confidence(logits) == pytest.approx(expected, rel=1e-12)
+
+
+def test_min_confidence_of_non_finite_or_empty_logits() -> None:
+    from serving.observability.monitors import min_confidence
+
+    assert min_confidence(None) is None
+    assert min_confidence(np.zeros((0, 3), dtype=np.float32)) is None
+    assert min_confidence(np.zeros(4, dtype=np.float32)) is None  # not (rows, classes)
+    nan = min_confidence(np.array([[np.nan, 1.0]], dtype=np.float32))
+    assert nan is None or not np.isfinite(nan)  # the log writes it as null either way
+    assert min_confidence(np.array([[1.0, 1.0]], dtype=np.float32)) == pytest.approx(0.5)
