@@ -12,7 +12,6 @@ more batches one drain takes. Nothing of it is on a request's path.
 from __future__ import annotations
 
 import math
-
 import threading
 from collections.abc import Mapping
 from typing import Any
