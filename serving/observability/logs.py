@@ -230,7 +230,7 @@ class RequestLogger:
             # makeRecord + handle rather than logger.log: the same handlers, filters and levels, without
             # findCaller's walk up the stack (a source line says nothing about a request line).
             extra = {_RECORD_KEY: MappingProxyType(fields)}
-            logger.handle(logger.makeRecord(logger.name, level, "", 0, "inference", None, None, extra=extra))
+            logger.handle(logger.makeRecord(logger.name, level, "", 0, "inference", (), None, extra=extra))
         return True
 
 
