@@ -30,27 +30,22 @@ def _record_skip(settings: Settings, decision: retrain.RetrainDecision) -> int:
 
     code = ids.code_version(baked=settings.code_commit)
     newest = decision.newest
-    store = MetadataStore(settings.metadata_url)
-    try:
-        store.check_schema()
-        with store.session() as session:
-            row = repo.start_pipeline_run(
-                session,
-                prefect_flow_run_id=flow_run.get_id(),
-                trigger="schedule",
-                trigger_event_id=None,
-                code_version=code.commit,
-                code_dirty=code.dirty,
-                parameters={"key": newest.key if newest else "", "version_id": newest.version_id if newest else ""},
-            )
-            if newest is not None:
-                version = repo.find_dataset_version(session, newest.data_version)
-                if version is not None:
-                    repo.set_pipeline_run_dataset(session, row.id, version.id)
-            repo.finish_pipeline_run(session, row.id, status="skipped", reason=decision.reason)
-            return row.id
-    finally:
-        store.dispose()
+    with MetadataStore.checked(settings.metadata_url) as store, store.session() as session:
+        row = repo.start_pipeline_run(
+            session,
+            prefect_flow_run_id=flow_run.get_id(),
+            trigger="schedule",
+            trigger_event_id=None,
+            code_version=code.commit,
+            code_dirty=code.dirty,
+            parameters={"key": newest.key if newest else "", "version_id": newest.version_id if newest else ""},
+        )
+        if newest is not None:
+            version = repo.find_dataset_version(session, newest.data_version)
+            if version is not None:
+                repo.set_pipeline_run_dataset(session, row.id, version.id)
+        repo.finish_pipeline_run(session, row.id, status="skipped", reason=decision.reason)
+        return row.id
 
 
 find_newest = stage(_newest, "find-newest-dataset")

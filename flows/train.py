@@ -5,6 +5,7 @@ metadata-store row. Heavy imports (torch, onnx) stay inside the functions (see f
 from __future__ import annotations
 
 import dataclasses
+import logging
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +20,8 @@ from tasks.verdicts import Check, GateVerdict
 
 if TYPE_CHECKING:
     from sluicegate.metadata import MetadataStore
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -252,8 +255,6 @@ def _find_packaged(settings: Settings, code: ids.CodeVersion, data_version: str,
     Retraining would not give the same bytes (thread scheduling changes float sums), and versions are
     immutable, so the folder already written is the model; the rest of packaging is idempotent.
     """
-    import logging
-
     from tasks.model_repository import RepositoryError, verify_version
 
     repository = _repository(settings)
@@ -264,7 +265,7 @@ def _find_packaged(settings: Settings, code: ids.CodeVersion, data_version: str,
     try:
         verify_version(folder)
     except RepositoryError as exc:
-        logging.getLogger(__name__).warning("not reusing %s: %s", folder, exc)
+        log.warning("not reusing %s: %s", folder, exc)
         return None
     return str(folder)
 

@@ -60,22 +60,17 @@ def lineage_command(
     with cli_errors():
         query = _log_query(settings.home / "logs", logs or [])
         state, tracker = lineage_query.connect_mlflow(settings.mlflow.url)
-        store = MetadataStore(settings.metadata_url)
-        try:
-            store.check_schema()
-            with store.session() as session:
-                found = lineage_query.walk(
-                    session,
-                    ref,
-                    mlflow=state,
-                    tracker=tracker,
-                    model_name=settings.model.name,
-                    logs=query,
-                    kind=kind.value,
-                    with_objects=objects,
-                )
-        finally:
-            store.dispose()
+        with MetadataStore.checked(settings.metadata_url) as store, store.session() as session:
+            found = lineage_query.walk(
+                session,
+                ref,
+                mlflow=state,
+                tracker=tracker,
+                model_name=settings.model.name,
+                logs=query,
+                kind=kind.value,
+                with_objects=objects,
+            )
     if as_json:
         typer.echo(dumps(found))
         return

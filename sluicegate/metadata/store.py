@@ -138,6 +138,22 @@ class MetadataStore:
         """Close every pooled connection (call before the process exits or the database is dropped)."""
         self._engine.dispose()
 
+    @classmethod
+    @contextmanager
+    def checked(cls, url: str) -> Iterator[MetadataStore]:
+        """A store on ``url`` whose schema is current (``check_schema``), disposed on the way out.
+
+        Raises:
+            StoreUnavailable: the database cannot be reached.
+            SchemaOutdated: its schema is not this code's; the message names the upgrade command.
+        """
+        store = cls(url)
+        try:
+            store.check_schema()
+            yield store
+        finally:
+            store.dispose()
+
     def _alembic_config(self, connection: Connection | None = None) -> Config:
         config = Config()
         # Options go through configparser interpolation, where a literal % must be doubled.
