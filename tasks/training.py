@@ -17,7 +17,6 @@ import hashlib
 import io
 import logging
 import math
-import os
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -64,7 +63,7 @@ class TrainingResult:
     best_epoch: int
     best_val_loss: float
     best_val_accuracy: float
-    peak_memory_bytes: int  # CPU: peak RSS growth over the run; CUDA: torch.cuda.max_memory_allocated
+    peak_memory_bytes: int  # CPU: tensor bytes of the largest step (_PeakMemory); CUDA: max_memory_allocated
     device: str
     amp: bool  # bf16 autocast was actually used (requested and on CUDA)
     parameters: int
@@ -195,7 +194,7 @@ def train(
     with torch.random.fork_rng(devices=forked), _deterministic(device.type == "cpu"):
         torch.manual_seed(settings.seed)
         model = build_model(settings.arch, len(labels), width=settings.width, blocks=settings.blocks).to(device)
-        meter = _PeakMemory(device)
+        meter = _PeakMemory(device, model)
         history, best_state, stopped_early = _fit(model, train, val, settings, device, amp, meter, on_epoch)
     if best_state is not None:
         model.load_state_dict(best_state)
@@ -297,13 +296,13 @@ def _train_epoch(
     for indices in _batches(len(x), settings.batch_size, generator):
         inputs = _augment(x[indices], generator, square=square).to(device, non_blocking=True)
         targets = y[indices].to(device, non_blocking=True)
-        with torch.autocast(device_type="cuda", dtype=torch.bfloat16, enabled=amp):
+        with meter.forward(inputs), torch.autocast(device_type="cuda", dtype=torch.bfloat16, enabled=amp):
             logits: torch.Tensor = model(inputs)
             loss = nn.functional.cross_entropy(logits, targets)
-        meter.sample()
         optimizer.zero_grad(set_to_none=True)
         torch.autograd.backward(loss)  # the functional form: Tensor.backward is untyped in torch 2.13 stubs
         optimizer.step()
+        meter.after_step(model, optimizer)
         scheduler.step()
         # Summed on the device and read once per epoch: a per-batch .item() would stall a GPU every step.
         total += loss.detach().double()
@@ -407,30 +406,62 @@ def _deterministic(enabled: bool) -> Iterator[None]:
 
 
 class _PeakMemory:
-    """Peak memory of the run. CUDA: the allocator's own peak. CPU: the largest growth of resident memory
-    over its value at the start, sampled after each forward pass (when activations are held), because
-    ru_maxrss is a lifetime high-water mark that an earlier, larger job in the process would hide."""
+    """Peak memory of a training step. CUDA: the caching allocator's own peak. CPU: counted from the tensors
+    themselves: parameters, gradients and optimizer state, plus the largest batch with the activations
+    autograd saved for backward. Both depend only on the model, the batch size and the optimizer, so the
+    train gate's comparison with earlier runs sees a change of those and not noise. (Resident memory growth,
+    which this sampled before, moved by 17% between two runs of one configuration in one worker process:
+    allocator caches and other threads' allocations are in it, and a larger dataset version in the process.)
+    """
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, model: nn.Module) -> None:
         self.device = device
+        self._max = 0
+        self._saved = 0
+        self._seen: set[int] = set()
+        # Optimizer steps update parameters in place, so their storages stay put for the whole run.
+        self._static = {tensor.untyped_storage().data_ptr() for tensor in (*model.parameters(), *model.buffers())}
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
-            self._start = torch.cuda.memory_allocated(device)
+
+    @contextlib.contextmanager
+    def forward(self, inputs: torch.Tensor) -> Iterator[None]:
+        """Around one training forward pass: counts the storages autograd keeps for backward (each once:
+        a ReLU output saved by two ops is one buffer), leaving out parameters, which are counted as state."""
+        if self.device.type == "cuda":
+            yield
             return
-        import psutil
+        self._saved, self._seen = _storage_bytes(inputs), {inputs.untyped_storage().data_ptr()}
 
-        self._process = psutil.Process(os.getpid())
-        self._start = self._process.memory_info().rss
-        self._max = self._start
+        def pack(tensor: torch.Tensor) -> torch.Tensor:
+            pointer = tensor.untyped_storage().data_ptr()
+            if pointer not in self._seen and pointer not in self._static:
+                self._seen.add(pointer)
+                self._saved += _storage_bytes(tensor)
+            return tensor
 
-    def sample(self) -> None:
-        if self.device.type != "cuda":
-            self._max = max(self._max, self._process.memory_info().rss)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            yield
+
+    def after_step(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        """After ``optimizer.step()``: the state now includes gradients and the optimizer's moments."""
+        if self.device.type == "cuda":
+            return
+        state = [*model.parameters(), *model.buffers()]
+        state += [p.grad for p in model.parameters() if p.grad is not None]
+        state += [value for entry in optimizer.state.values() for value in entry.values() if torch.is_tensor(value)]
+        pointers = {tensor.untyped_storage().data_ptr(): _storage_bytes(tensor) for tensor in state}
+        self._static = set(pointers)
+        self._max = max(self._max, sum(pointers.values()) + self._saved)
 
     def peak(self) -> int:
         if self.device.type == "cuda":
             return int(torch.cuda.max_memory_allocated(self.device))
-        return max(0, self._max - self._start)
+        return self._max
+
+
+def _storage_bytes(tensor: torch.Tensor) -> int:
+    return int(tensor.untyped_storage().nbytes())
 
 
 def save_checkpoint(model: nn.Module, path: Path, metadata: Mapping[str, str]) -> str:

@@ -17,7 +17,7 @@ from sluicegate.settings import TrainGateSettings, TrainingSettings
 from tasks.dataset_source import LocalSource
 from tasks.model_zoo import build_model
 from tasks.sample_data import Corruption, make_sample
-from tasks.train_gate import train_gate
+from tasks.train_gate import HistoryRun, train_gate
 from tasks.training import EpochRecord, load_checkpoint, load_split, save_checkpoint, train
 
 # The spec is a parameter of training; 32x32 is a quarter of the default's pixels and still separates the
@@ -115,6 +115,38 @@ def test_same_seed_gives_identical_weights(splits: tuple[Split, Split, tuple[str
 
     third, _ = train(train_split, val_split, labels, TINY.model_copy(update={"seed": 1}))
     assert not torch.equal(first.state_dict()["head.weight"], third.state_dict()["head.weight"])
+
+
+def test_peak_memory_follows_the_step_not_the_dataset(splits: tuple[Split, Split, tuple[str, ...]]) -> None:
+    """The train gate compares peak memory with earlier runs: it must move with what a step holds (model,
+    batch size, optimizer), and not with the dataset's size or the process's allocator history."""
+    (x_train, y_train), val_split, labels = splits
+    small = (x_train[:64], y_train[:64])
+    _, first = train(small, val_split, labels, TINY)
+    _, larger = train((x_train[:256], y_train[:256]), val_split, labels, TINY)
+    assert larger.peak_memory_bytes == first.peak_memory_bytes
+    verdict = train_gate(
+        larger.train_loss_curve,
+        larger.peak_memory_bytes,
+        [HistoryRun(final_loss=first.train_loss_curve[-1], peak_memory_bytes=first.peak_memory_bytes)],
+        TrainGateSettings(),
+    )
+    assert [c.name for c in verdict.checks if c.name == "peak memory vs history" and c.passed]
+
+    # At least parameters, gradients and AdamW's two moments, all float32.
+    assert first.peak_memory_bytes > 4 * 4 * first.parameters
+    # A batch twice as large saves twice the activations; a wider model holds more of everything.
+    _, doubled = train(small, val_split, labels, TINY.model_copy(update={"batch_size": 32}))
+    _, wider = train(small, val_split, labels, TINY.model_copy(update={"width": 16}))
+    assert doubled.peak_memory_bytes > 1.3 * first.peak_memory_bytes
+    assert wider.peak_memory_bytes > 1.3 * first.peak_memory_bytes
+    refused = train_gate(
+        doubled.train_loss_curve,
+        doubled.peak_memory_bytes,
+        [HistoryRun(final_loss=first.train_loss_curve[-1], peak_memory_bytes=first.peak_memory_bytes)],
+        TrainGateSettings(),
+    )
+    assert "peak memory vs history" in {c.name for c in refused.failed}
 
 
 def test_absurd_learning_rate_fails_the_train_gate(splits: tuple[Split, Split, tuple[str, ...]]) -> None:
