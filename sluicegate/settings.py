@@ -284,6 +284,12 @@ class RolloutSettings(Group):
     max_error_rate_increase: float = Field(
         0.005, ge=0, le=1, description="Canary error rate at most stable's plus this (0.005 = 0.5 points)."
     )
+    latency_significance: float = Field(
+        0.01,
+        gt=0,
+        le=1,
+        description="A canary p95 past the bound fails only at this binomial p-value; above it the step waits.",
+    )
     pause_before: tuple[int, ...] = Field((), description="Steps (weights) before which the rollout waits for resume.")
     custom_checks: tuple[dict[str, Any], ...] = Field(
         (),

@@ -33,7 +33,9 @@ def plan_from_settings(settings: Settings) -> RolloutPlan:
         analysis_interval_s=r.analysis_interval_seconds,
         min_requests=r.min_requests,
         max_inconclusive=r.max_inconclusive,
-        thresholds=Thresholds(r.max_p95_increase, r.min_p95_delta_seconds, r.max_error_rate_increase),
+        thresholds=Thresholds(
+            r.max_p95_increase, r.min_p95_delta_seconds, r.max_error_rate_increase, r.latency_significance
+        ),
         custom_checks=checks,
         pause_before=r.pause_before,
     )

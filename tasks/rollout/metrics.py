@@ -109,7 +109,13 @@ class ScrapeSource:
             for (ver, le), count in now.buckets.items()
             if ver == version
         ]
-        return VersionMetrics(requests, errors, histogram_quantile(0.95, buckets), now.collapsed.get(version))
+        return VersionMetrics(
+            requests,
+            errors,
+            histogram_quantile(0.95, buckets),
+            now.collapsed.get(version),
+            latency_buckets=tuple(sorted(buckets)),
+        )
 
     def _scrape(self, model: str) -> _Snapshot:
         snapshot = _Snapshot()
@@ -161,9 +167,9 @@ class PrometheusSource:
         selector = f'model="{_escape(model)}",version="{_escape(version)}"'
         requests = self._scalar(f"sum(increase({REQUESTS}{{{selector}}}[{window}]))") or 0.0
         errors = self._scalar(f'sum(increase({REQUESTS}{{{selector},code!="OK"}}[{window}]))') or 0.0
-        p95 = self._scalar(
-            f"histogram_quantile(0.95, sum by (le) (increase({LATENCY_BUCKETS}{{{selector}}}[{window}])))"
-        )
+        by_le = f"sum by (le) (increase({LATENCY_BUCKETS}{{{selector}}}[{window}]))"
+        p95 = self._scalar(f"histogram_quantile(0.95, {by_le})")
+        buckets = tuple(sorted((float(labels["le"]), value) for labels, value in self._vector(by_le) if "le" in labels))
         collapsed = self._scalar(f"max({COLLAPSE}{{{selector}}})")
         custom = {}
         for check in checks:
@@ -176,10 +182,16 @@ class PrometheusSource:
             p95 if p95 is not None and math.isfinite(p95) else None,
             None if collapsed is None else collapsed >= 1,
             custom,
+            latency_buckets=buckets,
         )
 
     def _scalar(self, query: str) -> float | None:
         """The query's single value (summed over series); None when the result is empty or NaN."""
+        values = [value for _, value in self._vector(query)]
+        return sum(values) if values else None
+
+    def _vector(self, query: str) -> list[tuple[dict[str, str], float]]:
+        """The query's series as (labels, value), NaNs left out."""
         try:
             response = self._http.get(f"{self.url}/api/v1/query", params={"query": query})
             body: Mapping[str, Any] = response.json()
@@ -187,9 +199,8 @@ class PrometheusSource:
             raise MetricsError(f"Prometheus at {self.url} did not answer {query!r}: {exc}") from exc
         if body.get("status") != "success":
             raise MetricsError(f"Prometheus refused {query!r}: {body.get('error', body)}")
-        values = [float(item["value"][1]) for item in body.get("data", {}).get("result", [])]
-        values = [v for v in values if not math.isnan(v)]
-        return sum(values) if values else None
+        series = [(item.get("metric", {}), float(item["value"][1])) for item in body.get("data", {}).get("result", [])]
+        return [(labels, value) for labels, value in series if not math.isnan(value)]
 
 
 def _escape(value: str) -> str:

@@ -11,6 +11,11 @@ promoted). Checks:
   difference is also above ``min_p95_delta_s``. The floor is there because p95s come from histogram
   buckets (serving/observability/metrics.py): two identical models interpolate inside the same bucket
   and can still differ by more than 10% at sub-millisecond latencies, which no user would notice.
+  A canary p95 above the bound fails only when it is also significant: the canary's requests slower
+  than the bound are more than 5% of them with a one-sided binomial test at ``latency_alpha`` (scipy).
+  The canary has a fraction of stable's requests, so one scheduler stall that delays three of its 41
+  requests moves its p95 past any bound (seen in CI on 2 cores) while stable's 160 hardly move; such a
+  step is inconclusive and waits for more requests, where a canary that is really slower fails at once.
 - errors: canary error rate <= stable error rate + ``max_error_rate_increase`` (0.5 points);
 - entropy: the canary's output entropy has not collapsed (the server's ``EntropyMonitor`` verdict:
   entropy std <= 0.05 bits without the excuse of a confident, varied classifier) while stable's has not
@@ -57,6 +62,7 @@ class Thresholds:
     max_p95_increase: float = 0.10
     min_p95_delta_s: float = 0.002
     max_error_rate_increase: float = 0.005
+    latency_alpha: float = 0.01
 
 
 @dataclass(frozen=True)
@@ -112,6 +118,9 @@ class VersionMetrics:
     p95_s: float | None  # None: no successful request in the window
     entropy_collapsed: bool | None = None  # None: the server exports no verdict (telemetry off)
     custom: Mapping[str, float] = field(default_factory=dict)
+    # Cumulative (upper bound, count) latency buckets over the window, the histogram p95_s came from;
+    # empty when the source has none, and then a p95 past the bound fails without a significance test.
+    latency_buckets: tuple[tuple[float, float], ...] = ()
 
     @property
     def error_rate(self) -> float:
@@ -153,7 +162,7 @@ def analyse(stable: VersionMetrics, canary: VersionMetrics, plan: RolloutPlan) -
     checks = [
         _requests(canary, plan.min_requests),
         _errors(stable, canary, t.max_error_rate_increase),
-        _latency(stable, canary, t.max_p95_increase, t.min_p95_delta_s, plan.min_requests),
+        _latency(stable, canary, t, plan.min_requests),
         _entropy(stable, canary),
         *(_custom(check, stable, canary) for check in plan.custom_checks),
     ]
@@ -183,21 +192,67 @@ def _errors(stable: VersionMetrics, canary: VersionMetrics, allowed: float) -> C
     return CheckResult("errors", canary.error_rate <= bound, detail)
 
 
-def _latency(
-    stable: VersionMetrics, canary: VersionMetrics, increase: float, floor_s: float, needed: int
-) -> CheckResult:
+def _latency(stable: VersionMetrics, canary: VersionMetrics, t: Thresholds, needed: int) -> CheckResult:
     if canary.p95_s is None or stable.p95_s is None or not math.isfinite(canary.p95_s + stable.p95_s):
         return CheckResult("latency", None, "p95 latency not measurable yet (no successful requests on a version)")
     if canary.requests < needed:
         # The p95 of a handful of requests is their slowest one (a cold first call): judge it on enough.
         return CheckResult("latency", None, f"p95 latency judged from {needed} canary requests on")
-    bound = stable.p95_s * (1 + increase)
-    too_slow = canary.p95_s > bound and canary.p95_s - stable.p95_s > floor_s
+    bound = stable.p95_s * (1 + t.max_p95_increase)
+    limit = max(bound, stable.p95_s + t.min_p95_delta_s)
     detail = (
         f"canary p95 {canary.p95_s * 1e3:.2f} ms vs stable {stable.p95_s * 1e3:.2f} ms "
-        f"(allowed up to {bound * 1e3:.2f} ms: +{increase:.0%}, differences under {floor_s * 1e3:.1f} ms ignored)"
+        f"(allowed up to {bound * 1e3:.2f} ms: +{t.max_p95_increase:.0%}, "
+        f"differences under {t.min_p95_delta_s * 1e3:.1f} ms ignored)"
     )
-    return CheckResult("latency", not too_slow, detail)
+    if canary.p95_s <= limit:
+        return CheckResult("latency", True, detail)
+    if not canary.latency_buckets:
+        return CheckResult("latency", False, detail)
+    slower, total = requests_above(limit, canary.latency_buckets)
+    p_value = slower_than_p95_p_value(slower, total)
+    detail += f"; {slower} of {total} canary requests above {limit * 1e3:.2f} ms (binomial p = {p_value:.3g})"
+    if p_value < t.latency_alpha:
+        return CheckResult("latency", False, detail)
+    return CheckResult("latency", None, f"{detail}: not significant at {t.latency_alpha:g} yet, waiting for more")
+
+
+def requests_above(limit: float, buckets: Sequence[tuple[float, float]]) -> tuple[int, int]:
+    """(requests slower than ``limit``, all requests) from cumulative ``(upper bound, count)`` buckets.
+
+    Inside the bucket holding ``limit`` the requests are taken as spread evenly, the assumption
+    ``histogram_quantile`` makes, so the count agrees with the p95 read from the same buckets; the +Inf
+    bucket's requests sit at the highest finite bound, where ``histogram_quantile`` puts them. Rounded
+    down, so a doubtful request does not count against the canary.
+    """
+    ordered = sorted(buckets)
+    if not ordered:
+        return 0, 0
+    total = ordered[-1][1]
+    previous_bound, previous_count = 0.0, 0.0
+    at_limit = total
+    for bound, count in ordered:
+        if limit < bound:
+            if math.isinf(bound):
+                at_limit = count
+            else:
+                at_limit = previous_count + (count - previous_count) * (limit - previous_bound) / (
+                    bound - previous_bound
+                )
+            break
+        previous_bound, previous_count = bound, count
+    return math.floor(total - at_limit + 1e-9), round(total)
+
+
+def slower_than_p95_p_value(slower: int, total: int) -> float:
+    """One-sided binomial test: how likely ``slower`` or more of ``total`` requests exceed a latency that
+    at most 5% of requests exceed (the limit is at least the p95 the canary is allowed). Small: the
+    canary's p95 really is past the limit."""
+    if total <= 0:
+        return 1.0
+    from scipy.stats import binomtest  # scipy is heavy to import and only the analysis needs it
+
+    return float(binomtest(min(slower, total), total, 0.05, alternative="greater").pvalue)
 
 
 def _entropy(stable: VersionMetrics, canary: VersionMetrics) -> CheckResult:

@@ -8,7 +8,15 @@ import math
 import pytest
 
 from tasks.rollout.metrics import ScrapeSource, _add, _Snapshot, histogram_quantile
-from tasks.rollout.plan import CustomCheck, RolloutPlan, Thresholds, VersionMetrics, analyse, progression_table
+from tasks.rollout.plan import (
+    CustomCheck,
+    RolloutPlan,
+    Thresholds,
+    VersionMetrics,
+    analyse,
+    progression_table,
+    requests_above,
+)
 
 STABLE = VersionMetrics(requests=1000, errors=2, p95_s=0.010, entropy_collapsed=False)
 
@@ -141,3 +149,57 @@ def test_the_progression_table_has_a_row_per_step() -> None:
     )
     lines = table.splitlines()
     assert len(lines) == 4 and "| 0 | 5 | pass | 250 | 4.00 |" in lines[2] and "canary error rate 3.00%" in lines[3]
+
+
+# The server's latency buckets (serving/observability/metrics.py) around these figures, in seconds.
+BOUNDS = (0.001, 0.0025, 0.005, 0.01, math.inf)
+
+
+def histogram(*counts: int) -> tuple[tuple[float, float], ...]:
+    """Cumulative buckets from per-bucket counts."""
+    running, out = 0, []
+    for bound, count in zip(BOUNDS, counts, strict=True):
+        running += count
+        out.append((bound, float(running)))
+    return tuple(out)
+
+
+def version(buckets: tuple[tuple[float, float], ...]) -> VersionMetrics:
+    return VersionMetrics(buckets[-1][1], 0, histogram_quantile(0.95, buckets), False, latency_buckets=buckets)
+
+
+def test_requests_above_agrees_with_the_quantile_of_the_same_buckets() -> None:
+    buckets = histogram(100, 700, 150, 40, 10)
+    p95 = histogram_quantile(0.95, buckets)
+    assert p95 is not None
+    assert requests_above(p95, buckets) == (50, 1000)  # 5% of 1000 above the p95, by construction
+    assert requests_above(0.0025, buckets) == (200, 1000)
+    assert requests_above(0.02, buckets) == (0, 1000)  # above every finite bound: none counted
+    assert requests_above(0.001, ()) == (0, 0)
+
+
+def test_a_few_stalled_canary_requests_wait_a_really_slower_canary_fails() -> None:
+    """CI's demo: a stall delayed 3 of the canary's 41 requests; its p95 went from 2 to 4.9 ms."""
+    plan = RolloutPlan(min_requests=20)
+    stable = version(histogram(139, 23, 0, 0, 0))  # p95 1.97 ms over 162 requests
+    stalled = version(histogram(10, 26, 3, 2, 0))  # p95 4.96 ms over 41
+    assert stalled.p95_s is not None and stable.p95_s is not None and stalled.p95_s > 2 * stable.p95_s
+    waited = analyse(stable, stalled, plan)
+    assert waited.decision == "inconclusive", waited
+    latency = next(c for c in waited.checks if c.name == "latency")
+    assert latency.passed is None and "3 of 41" in latency.detail and "not significant" in latency.detail
+
+    # The same p95 past the bound on most of the canary's requests: significant, and it fails at once.
+    slower = version(histogram(0, 5, 30, 6, 0))
+    failed = analyse(stable, slower, plan)
+    assert failed.decision == "fail"
+    assert [c.name for c in failed.checks if c.passed is False] == ["latency"]
+
+    # The stall diluted by more requests in the same window: the p95 is back under the bound.
+    later = version(histogram(60, 130, 3, 2, 0))
+    assert analyse(stable, later, plan).decision == "pass"
+
+    # A stricter significance fails less, a looser one more: the setting is what decides.
+    assert analyse(
+        stable, stalled, RolloutPlan(min_requests=20, thresholds=Thresholds(latency_alpha=0.5))
+    ).decision == ("fail")

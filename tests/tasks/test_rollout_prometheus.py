@@ -4,6 +4,7 @@ versions, custom PromQL checks included; a rollback posts an alert a real Alertm
 
 from __future__ import annotations
 
+import math
 import shutil
 import subprocess
 import time
@@ -19,10 +20,10 @@ import tritonclient.grpc as triton
 from serving.server import RunningServer, start
 from serving.settings import ServingSettings
 from tasks.rollout.config import alertmanager_notifier
-from tasks.rollout.metrics import PrometheusSource
+from tasks.rollout.metrics import PrometheusSource, histogram_quantile
 from tasks.rollout.plan import CustomCheck
 from tests.fixtures.models import SPEC, resnet, write_model_version
-from tests.fixtures.services import free_port
+from tests.fixtures.services import free_port, wait_prometheus_ready
 
 MODEL = "pcb"
 TOKEN = "prometheus-test-token"
@@ -65,26 +66,11 @@ def prometheus(two_versions: RunningServer, tmp_path: Path) -> Iterator[str]:
     proc = subprocess.Popen([*argv, f"--web.listen-address=127.0.0.1:{port}"], stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
-        _wait_ready(url, proc, tmp_path / "prometheus.log")
+        wait_prometheus_ready(url, proc, tmp_path / "prometheus.log")
         yield url
     finally:
         proc.terminate()
         proc.wait(15)
-
-
-def _wait_ready(url: str, proc: subprocess.Popen[bytes], log: Path, timeout: float = 60) -> None:
-    """Until Prometheus answers /-/ready: it loads its TSDB first, seconds on a busy machine."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            pytest.fail(f"prometheus exited with {proc.returncode}:\n{log.read_text()[-2000:]}")
-        try:
-            if httpx.get(f"{url}/-/ready", timeout=2).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    pytest.fail(f"prometheus not ready at {url} within {timeout:.0f} s:\n{log.read_text()[-2000:]}")
 
 
 def test_prometheus_source_reads_each_versions_traffic(two_versions: RunningServer, prometheus: str) -> None:
@@ -125,6 +111,10 @@ def test_prometheus_source_reads_each_versions_traffic(two_versions: RunningServ
         # increase() extrapolates over the window, so it is near, not equal to, what was sent.
         assert 0.6 * served[version] <= reading.requests <= 1.4 * served[version], (version, reading, served)
         assert reading.errors == 0 and reading.p95_s is not None and 0 < reading.p95_s < 0.5
+        # The buckets the significance test counts from: the same histogram Prometheus took the p95 from.
+        buckets = reading.latency_buckets
+        assert buckets[-1][0] == math.inf and buckets[-1][1] == pytest.approx(reading.requests)
+        assert histogram_quantile(0.95, buckets) == pytest.approx(reading.p95_s)
     assert served["1"] > served["2"] > 0  # the 70/30 split reached both
 
 
