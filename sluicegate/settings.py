@@ -288,7 +288,7 @@ class RolloutSettings(Group):
         0.01,
         gt=0,
         le=1,
-        description="A canary p95 past the bound fails only at this binomial p-value; above it the step waits.",
+        description="A canary p95 past the bound fails only at this binomial p-value; above it the check passes.",
     )
     pause_before: tuple[int, ...] = Field((), description="Steps (weights) before which the rollout waits for resume.")
     custom_checks: tuple[dict[str, Any], ...] = Field(

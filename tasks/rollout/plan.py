@@ -13,9 +13,11 @@ promoted). Checks:
   and can still differ by more than 10% at sub-millisecond latencies, which no user would notice.
   A canary p95 above the bound fails only when it is also significant: the canary's requests slower
   than the bound are more than 5% of them with a one-sided binomial test at ``latency_alpha`` (scipy).
-  The canary has a fraction of stable's requests, so one scheduler stall that delays three of its 41
-  requests moves its p95 past any bound (seen in CI on 2 cores) while stable's 160 hardly move; such a
-  step is inconclusive and waits for more requests, where a canary that is really slower fails at once.
+  Otherwise the check passes, as Kayenta's judge passes a metric without a significant difference.
+  The canary has a fraction of stable's requests, so a stall that delays three of its 41 requests
+  moves its p95 past any bound (seen twice in CI on 2 cores, 3 of 41 and 3 of 50) while stable's 160
+  hardly move. Waiting does not help, because the window is cumulative and the three stay in it. A
+  canary that is really slower fails at once: 18 of 41 past the bound is p < 1e-9.
 - errors: canary error rate <= stable error rate + ``max_error_rate_increase`` (0.5 points);
 - entropy: the canary's output entropy has not collapsed (the server's ``EntropyMonitor`` verdict:
   entropy std <= 0.05 bits without the excuse of a confident, varied classifier) while stable's has not
@@ -214,7 +216,7 @@ def _latency(stable: VersionMetrics, canary: VersionMetrics, t: Thresholds, need
     detail += f"; {slower} of {total} canary requests above {limit * 1e3:.2f} ms (binomial p = {p_value:.3g})"
     if p_value < t.latency_alpha:
         return CheckResult("latency", False, detail)
-    return CheckResult("latency", None, f"{detail}: not significant at {t.latency_alpha:g} yet, waiting for more")
+    return CheckResult("latency", True, f"{detail}: not significant at {t.latency_alpha:g}, passed")
 
 
 def requests_above(limit: float, buckets: Sequence[tuple[float, float]]) -> tuple[int, int]:
