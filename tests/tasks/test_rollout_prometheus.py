@@ -139,14 +139,7 @@ def test_a_rollback_alert_reaches_a_real_alertmanager(tmp_path: Path) -> None:
     proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(f"{url}/-/ready", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.3)
+        wait_prometheus_ready(url, proc, tmp_path / "alertmanager.log", timeout=30)
         notify = alertmanager_notifier(url)
         assert notify is not None and alertmanager_notifier(None) is None
         notify(MODEL, "2", "step 0 (5%) failed: canary error rate 3.00%")
