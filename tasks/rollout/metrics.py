@@ -163,17 +163,22 @@ class PrometheusSource:
         return time.time()
 
     def read(self, model: str, version: str, since: Any, checks: Sequence[CustomCheck] = ()) -> VersionMetrics:
-        window = f"{max(self.min_window_s, time.time() - float(since)):.0f}s"
+        # Every query of one reading is evaluated at the same instant: increase() extrapolates to the
+        # evaluation time, so queries a few ms apart disagree (the p95 would not match the buckets
+        # the significance test counts, nor errors the requests).
+        at = time.time()
+        window = f"{max(self.min_window_s, at - float(since)):.0f}s"
         selector = f'model="{_escape(model)}",version="{_escape(version)}"'
-        requests = self._scalar(f"sum(increase({REQUESTS}{{{selector}}}[{window}]))") or 0.0
-        errors = self._scalar(f'sum(increase({REQUESTS}{{{selector},code!="OK"}}[{window}]))') or 0.0
+        requests = self._scalar(f"sum(increase({REQUESTS}{{{selector}}}[{window}]))", at) or 0.0
+        errors = self._scalar(f'sum(increase({REQUESTS}{{{selector},code!="OK"}}[{window}]))', at) or 0.0
         by_le = f"sum by (le) (increase({LATENCY_BUCKETS}{{{selector}}}[{window}]))"
-        p95 = self._scalar(f"histogram_quantile(0.95, {by_le})")
-        buckets = tuple(sorted((float(labels["le"]), value) for labels, value in self._vector(by_le) if "le" in labels))
-        collapsed = self._scalar(f"max({COLLAPSE}{{{selector}}})")
+        p95 = self._scalar(f"histogram_quantile(0.95, {by_le})", at)
+        by_bound = self._vector(by_le, at)
+        buckets = tuple(sorted((float(labels["le"]), value) for labels, value in by_bound if "le" in labels))
+        collapsed = self._scalar(f"max({COLLAPSE}{{{selector}}})", at)
         custom = {}
         for check in checks:
-            value = self._scalar(check.query.format(model=model, version=version, window=window))
+            value = self._scalar(check.query.format(model=model, version=version, window=window), at)
             if value is not None:
                 custom[check.name] = value
         return VersionMetrics(
@@ -185,15 +190,15 @@ class PrometheusSource:
             latency_buckets=buckets,
         )
 
-    def _scalar(self, query: str) -> float | None:
-        """The query's single value (summed over series); None when the result is empty or NaN."""
-        values = [value for _, value in self._vector(query)]
+    def _scalar(self, query: str, at: float) -> float | None:
+        """The query's single value at ``at`` (summed over series); None when empty or NaN."""
+        values = [value for _, value in self._vector(query, at)]
         return sum(values) if values else None
 
-    def _vector(self, query: str) -> list[tuple[dict[str, str], float]]:
-        """The query's series as (labels, value), NaNs left out."""
+    def _vector(self, query: str, at: float) -> list[tuple[dict[str, str], float]]:
+        """The query's series at ``at`` (Unix seconds) as (labels, value), NaNs left out."""
         try:
-            response = self._http.get(f"{self.url}/api/v1/query", params={"query": query})
+            response = self._http.get(f"{self.url}/api/v1/query", params={"query": query, "time": f"{at:.3f}"})
             body: Mapping[str, Any] = response.json()
         except (httpx.HTTPError, ValueError) as exc:
             raise MetricsError(f"Prometheus at {self.url} did not answer {query!r}: {exc}") from exc
