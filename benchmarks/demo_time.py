@@ -1,6 +1,6 @@
 """Wall time of the demo and of each pipeline stage on this machine, over the real embedded stack.
 
-Runs `sluicegate demo` (sluicegate/demo.py) in a throwaway home on free ports, stopping the stack at the
+Runs `sluicegate demo` (sluicegate/app/demo/run.py) in a throwaway home on free ports, stopping the stack at the
 end, and prints the time from each manifest PUT to its run's end, every stage's wall time (from
 Prefect's task runs), and the issue's target: the first champion serving within 5 minutes of the first
 push.
@@ -21,8 +21,8 @@ from rich.console import Console
 from rich.table import Table
 
 from benchmarks.event_latency import free_port
-from sluicegate import demo
-from sluicegate.demo_summary import FIRST_CHAMPION_TARGET_S
+from sluicegate.app.demo import run as demo
+from sluicegate.app.demo.summary import FIRST_CHAMPION_TARGET_S
 from sluicegate.settings import LOOPBACK, Settings
 
 

@@ -28,10 +28,11 @@ from rich.console import Console
 from rich.table import Table
 from sqlalchemy import select
 
-from sluicegate import stack, storage
+from sluicegate import storage
+from sluicegate.app import stack
+from sluicegate.app.demo.prefect_runs import wait_for_flow_run
 from sluicegate.metadata import MetadataStore
 from sluicegate.metadata.models import S3Event
-from sluicegate.runs import wait_for_flow_run
 from sluicegate.settings import Settings
 from tasks.datasets import MANIFEST
 

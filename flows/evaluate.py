@@ -17,7 +17,7 @@ from prefect.runtime import flow_run
 from flows import gates
 from flows.wrappers import stage
 from sluicegate.settings import Settings
-from tasks import lineage
+from tasks import tracking
 from tasks.datasets import ResolvedDataset
 from tasks.verdicts import Check, GateVerdict
 
@@ -100,7 +100,7 @@ def _publish(
     from sluicegate import ids
     from tasks import eval_report, registry
 
-    tracker = lineage.client(settings.mlflow.url)
+    tracker = tracking.client(settings.mlflow.url)
     evaluations = evaluated.evaluations
     verdict = evaluated.verdict
     images: dict[str, str] = {}

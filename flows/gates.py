@@ -11,7 +11,7 @@ from prefect.artifacts import create_markdown_artifact
 from flows.wrappers import stage
 from sluicegate.errors import GateFailed
 from sluicegate.settings import Settings
-from tasks import lineage, reports
+from tasks import reports, tracking
 from tasks.datasets import ResolvedDataset
 from tasks.verdicts import GateVerdict
 
@@ -99,7 +99,7 @@ def _publish(
 
     if markdown is None:
         markdown = reports.verdict_markdown(verdict, context=dataset_context(dataset))
-    report_uri = lineage.log_gate(settings.mlflow.url, mlflow_run_id, verdict, markdown, evidence)
+    report_uri = tracking.log_gate(settings.mlflow.url, mlflow_run_id, verdict, markdown, evidence)
     create_markdown_artifact(
         key=artifact_key(f"{verdict.gate}-gate", dataset),
         markdown=markdown,

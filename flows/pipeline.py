@@ -27,7 +27,7 @@ from flows import train as train_flow
 from flows.wrappers import stage
 from sluicegate import ids
 from sluicegate.settings import Settings
-from tasks import datasets, lineage, registry, reports
+from tasks import datasets, registry, reports, tracking
 from tasks.champion import PREPROCESSING_ARTIFACT
 
 if TYPE_CHECKING:
@@ -162,11 +162,11 @@ def _finish(store: MetadataStore, run_id: int, status: str, reason: str | None) 
 resolve_dataset = stage(_resolve, "resolve-dataset")
 record_run_start = stage(_start_run, "record-run-start")
 record_dataset = stage(_record_dataset, "record-dataset-version")
-track_run = stage(lineage.start_pipeline_tracking, "mlflow-run")
+track_run = stage(tracking.start_pipeline_tracking, "mlflow-run")
 record_mlflow = stage(_record_mlflow, "record-mlflow-run")
-end_tracking = stage(lineage.end_run, "mlflow-end-run")
+end_tracking = stage(tracking.end_run, "mlflow-end-run")
 record_finish = stage(_finish, "record-run-finish")
-log_json = stage(lineage.log_json, "mlflow-log")
+log_json = stage(tracking.log_json, "mlflow-log")
 registry_version = stage(registry.get_version, "registry-version")
 
 
@@ -196,7 +196,7 @@ def _publish_summary(
     """The run's summary artifact, written whether the run passed every stage or stopped at one."""
     url = None
     if mlflow_run_id is not None:
-        experiment = lineage.experiment_id(lineage.client(settings.mlflow.url), settings.mlflow.experiment)
+        experiment = tracking.experiment_id(tracking.client(settings.mlflow.url), settings.mlflow.experiment)
         url = reports.mlflow_run_url(settings.mlflow.url, experiment, mlflow_run_id)
     summary = reports.pipeline_summary(
         dataset=dataset,

@@ -19,10 +19,11 @@ from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 from prefect.runtime import flow_run
 
+from sluicegate.errors import SluicegateError
 from sluicegate.settings import Settings
 
 
-class RolloutFailed(Exception):
+class RolloutFailed(SluicegateError):
     """The canary was rolled back (or aborted): the flow run fails with the reason."""
 
 

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from flows.wrappers import stage
 from sluicegate import ids
 from sluicegate.settings import Settings
-from tasks import lineage
+from tasks import tracking
 from tasks.datasets import ResolvedDataset
 from tasks.verdicts import Check, GateVerdict
 
@@ -44,7 +44,7 @@ def _train(settings: Settings, dataset: ResolvedDataset, manifest: bytes, mlflow
     concurrency = settings.data_gate.read_concurrency
     x_train, y_train, labels = load_split(source, manifest, "train", spec, None, concurrency=concurrency)
     x_val, y_val, _ = load_split(source, manifest, "val", spec, labels, concurrency=concurrency)
-    tracker = lineage.client(settings.mlflow.url)
+    tracker = tracking.client(settings.mlflow.url)
     training = settings.training
     for name, value in training.model_dump().items():
         tracker.log_param(mlflow_run_id, f"training.{name}", value)
@@ -153,7 +153,7 @@ def _package(
     baseline: dict[str, Any],
 ) -> dict[str, str]:
     """Repository folder, registry version and metadata row for the new model version."""
-    from tasks.model_repository import ModelConfig, write_version
+    from serving.model_format import ModelConfig, write_version
     from tasks.training import save_checkpoint
 
     repository = _repository(settings)
@@ -213,9 +213,9 @@ def _publish(
     Returns:
         ``model_version``, ``registry_version`` and ``repository`` (the folder).
     """
+    from serving.model_format import read_config
     from sluicegate.metadata import repository as repo
     from tasks import registry
-    from tasks.model_repository import read_config
 
     config = read_config(version_dir)
     lineage_tags = dict(config.lineage)
@@ -223,7 +223,7 @@ def _publish(
     registry_version = registry.register_version(
         settings.mlflow.url, settings.model.name, mlflow_run_id, version_dir, lineage_tags
     )
-    tracker = lineage.client(settings.mlflow.url)
+    tracker = tracking.client(settings.mlflow.url)
     tracker.set_tag(mlflow_run_id, "sluicegate.model_version", config.version)
     tracker.log_dict(mlflow_run_id, environment, "environment.json")
     sums = {line.split()[1]: line.split()[0] for line in (version_dir / "SHA256SUMS").read_text().splitlines() if line}
@@ -255,7 +255,8 @@ def _find_packaged(settings: Settings, code: ids.CodeVersion, data_version: str,
     Retraining would not give the same bytes (thread scheduling changes float sums), and versions are
     immutable, so the folder already written is the model; the rest of packaging is idempotent.
     """
-    from tasks.model_repository import RepositoryError, verify_version
+    from serving.errors import RepositoryError
+    from serving.model_format import verify_version
 
     repository = _repository(settings)
     version = _free_version(repository, settings, code, data_version, mlflow_run_id)
@@ -274,7 +275,7 @@ def _free_version(repository: Path, settings: Settings, code: ids.CodeVersion, d
     """The model version for this build: the configured semver, with PATCH raised past builds of the same
     (code, data) by other runs (a retrain of an unchanged dataset is a new build, not the same one), and
     this run's own version again when a crashed run is re-run."""
-    from tasks.model_repository import read_config
+    from serving.model_format import read_config
 
     major, minor, patch = (int(part) for part in settings.model.semver.split("."))
     while True:

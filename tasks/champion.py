@@ -8,7 +8,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from tasks import lineage
+from tasks import tracking
 from tasks.data_gate import LabelReference, read_manifest_frame
 from tasks.registry import CHAMPION, alias_holder
 
@@ -38,7 +38,7 @@ def find_champion(tracking_uri: str, model_name: str) -> Champion | None:
 def _artifact(tracking_uri: str, run_id: str, path: str) -> bytes | None:
     from mlflow.exceptions import MlflowException
 
-    client = lineage.client(tracking_uri)
+    client = tracking.client(tracking_uri)
     with tempfile.TemporaryDirectory() as tmp:
         try:
             local = client.download_artifacts(run_id, path, tmp)

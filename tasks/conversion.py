@@ -32,6 +32,7 @@ from serving.runtimes.engine_cache import (
     fast_fp16,
     trt_version,
 )
+from sluicegate.errors import SluicegateError
 from sluicegate.ids import sha256_file
 from tasks.verdicts import Check, GateVerdict
 
@@ -40,7 +41,7 @@ logger = logging.getLogger(__name__)
 GATE = "convert"
 
 
-class ConversionError(Exception):
+class ConversionError(SluicegateError):
     """The model could not be exported (a bug or an unsupported model, not a quality verdict)."""
 
 

@@ -18,10 +18,10 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from serving.model_format import verify_version
 from serving.preprocessing import PreprocessSpec, preprocess
 from sluicegate.errors import DatasetError
 from tasks.dataset_source import DatasetSource, map_objects
-from tasks.model_repository import verify_version
 
 Float32Array = npt.NDArray[np.float32]
 

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from sluicegate.errors import RegistryError
-from tasks import lineage
+from tasks import tracking
 
 if TYPE_CHECKING:
     from sluicegate.metadata import MetadataStore
@@ -55,7 +55,7 @@ def _from_mlflow(version: Any) -> RegistryVersion:
 
 def find_version(tracking_uri: str, model_name: str, model_version: str) -> str | None:
     """The registry version number already carrying ``model_version``, if any."""
-    client = lineage.client(tracking_uri)
+    client = tracking.client(tracking_uri)
     found = client.search_model_versions(f"name = '{model_name}' and tags.`{TAG_MODEL_VERSION}` = '{model_version}'")
     return str(found[0].version) if found else None
 
@@ -73,7 +73,7 @@ def register_version(
     existing = find_version(tracking_uri, model_name, model_version)
     if existing is not None:
         return existing
-    client = lineage.client(tracking_uri)
+    client = tracking.client(tracking_uri)
     client.log_artifacts(run_id, str(version_dir), artifact_path=ARTIFACT_PATH)
     try:
         client.create_registered_model(model_name, description="sluicegate: gated models from S3 dataset versions")
@@ -92,14 +92,14 @@ def register_version(
 
 
 def get_version(tracking_uri: str, model_name: str, registry_version: str) -> RegistryVersion:
-    return _from_mlflow(lineage.client(tracking_uri).get_model_version(model_name, registry_version))
+    return _from_mlflow(tracking.client(tracking_uri).get_model_version(model_name, registry_version))
 
 
 def list_versions(tracking_uri: str, model_name: str) -> list[RegistryVersion]:
     """Every registered version of ``model_name``, newest first (empty when the model does not exist)."""
     import dataclasses
 
-    client = lineage.client(tracking_uri)
+    client = tracking.client(tracking_uri)
     found = [_from_mlflow(v) for v in client.search_model_versions(f"name = '{model_name}'")]
     if not found:
         return []
@@ -116,7 +116,7 @@ def alias_holder(tracking_uri: str, model_name: str, alias: str) -> RegistryVers
     from mlflow.exceptions import MlflowException
 
     try:
-        version = lineage.client(tracking_uri).get_model_version_by_alias(model_name, alias)
+        version = tracking.client(tracking_uri).get_model_version_by_alias(model_name, alias)
     except MlflowException as exc:
         if exc.error_code in ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE"):
             return None
@@ -160,9 +160,9 @@ def download_version(tracking_uri: str, version: RegistryVersion, destination: P
     """
     import mlflow.artifacts
 
-    from tasks.model_repository import read_config
+    from serving.model_format import read_config
 
-    client = lineage.client(tracking_uri)
+    client = tracking.client(tracking_uri)
     uri = client.get_model_version_download_uri(version.name, version.registry_version)
     staging = destination / ".download"
     local = Path(
@@ -176,7 +176,7 @@ def download_version(tracking_uri: str, version: RegistryVersion, destination: P
 
 
 def set_tags(tracking_uri: str, version: RegistryVersion, tags: Mapping[str, str]) -> None:
-    client = lineage.client(tracking_uri)
+    client = tracking.client(tracking_uri)
     for key, value in tags.items():
         client.set_model_version_tag(version.name, version.registry_version, key, value)
 
@@ -203,7 +203,7 @@ def move_alias(
 
     if not actor.strip() or not reason.strip():
         raise RegistryError("an alias move needs an actor and a reason (who moved it, and why)")
-    client = lineage.client(tracking_uri)
+    client = tracking.client(tracking_uri)
     before = alias_holder(tracking_uri, target.name, alias)
     if before is not None and before.registry_version == target.registry_version:
         return None

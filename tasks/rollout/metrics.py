@@ -22,6 +22,7 @@ from typing import Any, Protocol
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from sluicegate.errors import SluicegateError
 from tasks.rollout.plan import CustomCheck, VersionMetrics
 
 REQUESTS = "sluicegate_inference_requests_total"
@@ -29,7 +30,7 @@ LATENCY_BUCKETS = "sluicegate_inference_request_duration_seconds_bucket"
 COLLAPSE = "sluicegate_output_entropy_collapse"
 
 
-class MetricsError(Exception):
+class MetricsError(SluicegateError):
     """The metrics could not be read; the message names the endpoint and the fix."""
 
 

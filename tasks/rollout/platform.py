@@ -12,8 +12,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
+from sluicegate.errors import SluicegateError
 
-class PlatformError(Exception):
+
+class PlatformError(SluicegateError):
     """The platform could not do what was asked (timeout, refused call); the message names the object
     and the fix."""
 

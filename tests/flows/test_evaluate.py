@@ -14,7 +14,7 @@ from sluicegate.errors import GateFailed
 from sluicegate.metadata import MetadataStore
 from sluicegate.metadata.aliases import alias_history
 from sluicegate.settings import Settings
-from tasks import lineage, registry
+from tasks import registry, tracking
 from tasks.sample_data import make_sample
 from tasks.transfer import push_directory
 from tests.fixtures.models import move, register
@@ -66,7 +66,7 @@ def test_a_better_candidate_becomes_challenger_and_a_worse_one_leaves_the_champi
         ).prefect_flow_run_id  # type: ignore[union-attr]
     store.dispose()
 
-    client = lineage.client(platform.mlflow.url)
+    client = tracking.client(platform.mlflow.url)
     run_id = result["mlflow_run_id"]
     names = {a.path for a in client.list_artifacts(run_id, "gates/eval")}
     assert {CONFUSION_PNG, "gates/eval/calibration.png", "gates/eval/report.md", "gates/eval/evaluations.json"} <= names
@@ -110,15 +110,15 @@ def test_the_first_model_must_clear_the_floor(
     assert holder(platform, "challenger") is None and holder(platform, "champion") is None
     (only,) = registry.list_versions(platform.mlflow.url, platform.model.name)
     assert only.tags[registry.TAG_EVAL_GATE] == "failed"
-    lineage.client(platform.mlflow.url).delete_registered_model(platform.model.name)
+    tracking.client(platform.mlflow.url).delete_registered_model(platform.model.name)
 
 
 def test_a_champion_whose_files_are_broken_fails_the_gate_with_the_fix(
     platform: Settings, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     key = push_sample(platform, tmp_path / "data", "broken-champion", count=60)
-    client = lineage.client(platform.mlflow.url)
-    run = client.create_run(lineage.experiment_id(client, platform.mlflow.experiment))
+    client = tracking.client(platform.mlflow.url)
+    run = client.create_run(tracking.experiment_id(client, platform.mlflow.experiment))
     client.log_text(run.info.run_id, "not a model", "model/config.json")
     client.create_registered_model(platform.model.name)
     version = client.create_model_version(

@@ -52,9 +52,9 @@ def _read_object(endpoint: str, key: str) -> str:
 
 
 def _log_metric(tracking_uri: str, run_id: str) -> None:
-    from tasks import lineage
+    from tasks import tracking
 
-    tracker = lineage.client(tracking_uri)
+    tracker = tracking.client(tracking_uri)
     ATTEMPTED.set()
     tracker.log_metric(run_id, "survived_outage", 1.0)
 
@@ -203,12 +203,12 @@ def mlflow_server(tmp_path: Path) -> Iterator[MlflowOnAPort]:
 def test_mlflow_restarted_on_the_same_port_is_retried_through(
     mlflow_server: MlflowOnAPort, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from tasks import lineage
+    from tasks import tracking
 
     # MLflow's own retries cut to what a pipeline should run with (a few seconds per call), so the
     # restart outlasts them and the stage's retries carry the call through.
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
-    tracker = lineage.client(mlflow_server.uri)
+    tracker = tracking.client(mlflow_server.uri)
     run_id = tracker.create_run(tracker.create_experiment("outage")).info.run_id
     mlflow_server.stop()
     with ThreadPoolExecutor(1) as pool:

@@ -13,7 +13,7 @@ from serving.preprocessing import PreprocessSpec
 from sluicegate.metadata import MetadataStore
 from sluicegate.metadata.models import DatasetVersion, PipelineRun
 from sluicegate.settings import Settings
-from tasks import lineage
+from tasks import tracking
 from tests.fixtures.platform import upload_dataset
 
 
@@ -39,18 +39,18 @@ def test_pipeline_records_lineage(pg_platform: Settings) -> None:
         assert version.data_version == result["data_version"] and version.num_objects == 6
         assert run.dataset_version_id == version.id
     store.dispose()
-    tracked = lineage.client(pg_platform.mlflow.url).get_run(result["mlflow_run_id"])
+    tracked = tracking.client(pg_platform.mlflow.url).get_run(result["mlflow_run_id"])
     assert tracked.info.status == "FINISHED"
-    assert tracked.data.tags[lineage.TAG_DATA_VERSION] == result["data_version"]
-    assert len(tracked.data.tags[lineage.TAG_CODE_VERSION]) in (40, len("unknown"))
+    assert tracked.data.tags[tracking.TAG_DATA_VERSION] == result["data_version"]
+    assert len(tracked.data.tags[tracking.TAG_CODE_VERSION]) in (40, len("unknown"))
     assert tracked.inputs.dataset_inputs[0].dataset.digest == result["data_version"][:7]
 
 
 def test_a_passing_run_registers_a_traceable_model_version(pg_platform: Settings) -> None:
     """Gates 3-4 and packaging: repository folder, registry version with every tag, metadata row."""
+    from serving.model_format import verify_version
     from sluicegate.metadata.models import ModelVersion
     from tasks import registry
-    from tasks.model_repository import verify_version
 
     key = upload_dataset(pg_platform, "pcb", "model", count=12)
     result = pipeline(bucket=pg_platform.storage.bucket, key=key, trigger="manual")
@@ -73,7 +73,7 @@ def test_a_passing_run_registers_a_traceable_model_version(pg_platform: Settings
     assert gates == {"data": True, "feature": True, "train": True, "convert": True, "eval": True}
     config = verify_version(pg_platform.home / "repository" / pg_platform.model.name / version)
     assert config.lineage["sluicegate.data_version"] == result["data_version"]
-    client = lineage.client(pg_platform.mlflow.url)
+    client = tracking.client(pg_platform.mlflow.url)
     registered = client.get_model_version(pg_platform.model.name, registry_version)
     for tag in (
         "sluicegate.model_version",
@@ -142,7 +142,7 @@ def test_a_sample_dataset_passes_both_gates_with_reports(platform: Settings, tmp
         "convert": True,
         "eval": True,
     }
-    client = lineage.client(platform.mlflow.url)
+    client = tracking.client(platform.mlflow.url)
     names = {a.path for a in client.list_artifacts(result["mlflow_run_id"], "gates/data")}
     assert {"gates/data/gx_validation.json", "gates/data/report.md", "gates/data/verdict.json"} <= names
     top = {a.path for a in client.list_artifacts(result["mlflow_run_id"])}
@@ -174,7 +174,7 @@ def test_a_corrupt_dataset_stops_at_the_data_gate(platform: Settings, tmp_path) 
         mlflow_run_id = run.mlflow_run_id
     store.dispose()
     assert _gate_rows(platform, run.id) == {"data": False}  # nothing downstream ran
-    tracked = lineage.client(platform.mlflow.url).get_run(mlflow_run_id)  # type: ignore[arg-type]
+    tracked = tracking.client(platform.mlflow.url).get_run(mlflow_run_id)  # type: ignore[arg-type]
     assert tracked.info.status == "FAILED" and tracked.data.tags["sluicegate.gate.data"] == "failed"
 
 
@@ -186,8 +186,8 @@ def test_a_champion_with_other_preprocessing_fails_the_feature_gate(platform: Se
 
     make_sample(tmp_path / "data", count=60, seed=6)
     pushed = push_directory(platform, tmp_path / "data", "pcb", "v2")
-    client = lineage.client(platform.mlflow.url)
-    run = client.create_run(lineage.experiment_id(client, platform.mlflow.experiment))
+    client = tracking.client(platform.mlflow.url)
+    run = client.create_run(tracking.experiment_id(client, platform.mlflow.experiment))
     client.create_registered_model(platform.model.name)
     bgr = PreprocessSpec(height=32, width=32, colour="BGR").to_dict()
     client.log_dict(run.info.run_id, bgr, champion.PREPROCESSING_ARTIFACT)

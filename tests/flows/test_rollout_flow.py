@@ -171,7 +171,7 @@ def test_operators_see_abort_and_promote_a_canary_from_the_cli(platform: Setting
 
     from typer.testing import CliRunner
 
-    from sluicegate.cli import app
+    from sluicegate.app.cli.main import app
     from tasks.rollout.config import platform_from_settings
 
     first = register(platform, "v0.0.1-aaaaaaa-1111111", seed=0, alias="champion")
@@ -211,7 +211,7 @@ def test_a_paused_rollout_waits_for_resume(
 
     from typer.testing import CliRunner
 
-    from sluicegate.cli import app
+    from sluicegate.app.cli.main import app
 
     first = register(platform, "v0.0.1-aaaaaaa-1111111", seed=0, alias="champion")
     second = register(platform, "v0.0.2-bbbbbbb-2222222", seed=1, alias="challenger")

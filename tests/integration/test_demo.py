@@ -16,7 +16,8 @@ from rich.console import Console
 from sqlalchemy import select
 from typer.testing import CliRunner
 
-from sluicegate import demo, stack
+from sluicegate.app import stack
+from sluicegate.app.demo import run as demo
 from sluicegate.errors import SluicegateError
 from sluicegate.metadata import MetadataStore
 from sluicegate.metadata.models import Deployment, PipelineRun
@@ -85,7 +86,7 @@ def test_the_demo_chain_from_first_push_to_a_canary_promoted_under_traffic(
         assert stack.status(settings)[0] == stack.READY
 
         # Any request of the demo's client traces back to its model, training run and dataset version.
-        from sluicegate.cli import app
+        from sluicegate.app.cli.main import app
 
         for name, value in settings.to_env().items():
             monkeypatch.setenv(name, value)

@@ -17,13 +17,14 @@ import psutil
 import pytest
 from sqlalchemy import select
 
-from sluicegate import stack, storage
+from sluicegate import storage
+from sluicegate.app import stack
 from sluicegate.errors import StackError
 from sluicegate.metadata import MetadataStore
 from sluicegate.metadata import repository as repo
 from sluicegate.metadata.models import DeadLetter, PipelineRun, S3Event
 from sluicegate.settings import Settings
-from tasks import lineage
+from tasks import tracking
 from tests.fixtures.platform import upload_dataset
 from tests.fixtures.services import free_port
 
@@ -119,9 +120,9 @@ def test_manifest_upload_runs_the_pipeline_and_records_lineage(running_stack: Se
         assert row.dataset_version_id is not None and row.mlflow_run_id
         mlflow_run_id = row.mlflow_run_id
     store.dispose()
-    tracked = lineage.client(running_stack.mlflow.url).get_run(mlflow_run_id)
-    assert tracked.data.tags[lineage.TAG_FLOW_RUN] == run["id"]
-    assert tracked.data.tags[lineage.TAG_EVENT] == event.event_id
+    tracked = tracking.client(running_stack.mlflow.url).get_run(mlflow_run_id)
+    assert tracked.data.tags[tracking.TAG_FLOW_RUN] == run["id"]
+    assert tracked.data.tags[tracking.TAG_EVENT] == event.event_id
     # The summary artifact is in Prefect for operators.
     artifacts = httpx.post(
         f"{running_stack.prefect.url}/artifacts/filter", json={"artifacts": {"flow_run_id": {"any_": [run["id"]]}}}
@@ -313,9 +314,9 @@ def test_a_pipeline_killed_mid_run_is_rerun_without_duplicates(running_stack: Se
     store.dispose()
     tagged = [v for v in registry.list_versions(running_stack.mlflow.url, running_stack.model.name)]
     assert [v.model_version for v in tagged].count(model_version) == 1  # one registry version, not two
-    tracker = lineage.client(running_stack.mlflow.url)
-    experiment = lineage.experiment_id(tracker, running_stack.mlflow.experiment)
-    same_run = tracker.search_runs([experiment], f"tags.`{lineage.TAG_PIPELINE_RUN}` = '{row.id}'")
+    tracker = tracking.client(running_stack.mlflow.url)
+    experiment = tracking.experiment_id(tracker, running_stack.mlflow.experiment)
+    same_run = tracker.search_runs([experiment], f"tags.`{tracking.TAG_PIPELINE_RUN}` = '{row.id}'")
     assert [r.info.run_id for r in same_run] == [mlflow_run_id]
 
 

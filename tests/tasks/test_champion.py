@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from serving.preprocessing import PreprocessSpec
 from sluicegate.settings import Settings
-from tasks import champion, lineage
+from tasks import champion, tracking
 
 
 def test_no_registered_model_means_no_champion(platform: Settings) -> None:
@@ -12,8 +12,8 @@ def test_no_registered_model_means_no_champion(platform: Settings) -> None:
 
 
 def test_champion_labels_and_preprocessing_come_from_its_run(platform: Settings) -> None:
-    client = lineage.client(platform.mlflow.url)
-    experiment = lineage.experiment_id(client, platform.mlflow.experiment)
+    client = tracking.client(platform.mlflow.url)
+    experiment = tracking.experiment_id(client, platform.mlflow.experiment)
     run = client.create_run(experiment)
     manifest = "path,label,split\n" + "".join(
         f"images/{i}.png,{'good' if i % 4 else 'bridge'},{'train' if i % 5 else 'test'}\n" for i in range(100)

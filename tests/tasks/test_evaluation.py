@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from serving.errors import RepositoryError
 from serving.preprocessing import PreprocessSpec, preprocess
 from sluicegate.settings import EvalGateSettings
 from tasks import eval_report
@@ -19,7 +20,6 @@ from tasks.evaluation import (
     evaluate,
     model_under_test,
 )
-from tasks.model_repository import RepositoryError
 from tests.fixtures.models import LABELS, SPEC, Slowed, images, resnet, write_model_version
 
 FAST = EvalOptions(latency_iterations=40, warmup_iterations=5)

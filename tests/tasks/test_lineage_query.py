@@ -10,9 +10,9 @@ import pytest
 
 from sluicegate.metadata import MetadataStore
 from sluicegate.metadata import repository as repo
-from tasks.lineage_query import LineageAmbiguous, LineageNotFound, LogQuery, connect_mlflow, walk
-from tasks.lineage_records import Lineage
-from tasks.request_logs import default_log_files, find_request
+from tasks.lineage.records import Lineage
+from tasks.lineage.request_logs import default_log_files, find_request
+from tasks.lineage.walk import LineageAmbiguous, LineageNotFound, LogQuery, connect_mlflow, walk
 from tests.fixtures import lineage as history
 from tests.fixtures.services import free_port
 

@@ -10,9 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from sluicegate.ids import sha256_file
-from tasks.conversion import export_onnx
-from tasks.model_repository import (
+from serving.model_format import (
     DEFAULT_BATCHING,
     ModelConfig,
     RepositoryError,
@@ -21,6 +19,8 @@ from tasks.model_repository import (
     verify_version,
     write_version,
 )
+from sluicegate.ids import sha256_file
+from tasks.conversion import export_onnx
 from tests.tasks.test_conversion import HW, images, trained_tiny_net
 
 

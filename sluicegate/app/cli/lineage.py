@@ -1,5 +1,5 @@
 """`sluicegate lineage REF`: where a model version, a served request or a dataset version came from, and
-what became of it. The walk is ``tasks/lineage_query.py``; the tree and JSON are ``cli_lineage_view.py``."""
+what became of it. The walk is ``tasks/lineage/walk.py``; the tree and JSON are ``lineage_view.py`` beside this."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from sluicegate.cli_common import cli_errors, console, load_settings
+from sluicegate.app.cli.common import cli_errors, console, load_settings
 
 if TYPE_CHECKING:
-    from tasks.lineage_query import LogQuery
+    from tasks.lineage.walk import LogQuery
 
 
 class RefKind(enum.StrEnum):
@@ -52,16 +52,16 @@ def lineage_command(
     """Walk lineage both ways: request -> model version -> pipeline run -> MLflow run -> dataset version ->
     S3 objects, code and environment; and up to deployments, alias moves and gate results. From a data
     version: every run that used it and every model trained on it, and how their rollouts ended."""
-    from sluicegate.cli_lineage_view import dumps, tree
+    from sluicegate.app.cli.lineage_view import dumps, tree
     from sluicegate.metadata import MetadataStore
-    from tasks import lineage_query
+    from tasks.lineage import walk
 
     settings = load_settings()
     with cli_errors():
         query = _log_query(settings.home / "logs", logs or [])
-        state, tracker = lineage_query.connect_mlflow(settings.mlflow.url)
+        state, tracker = walk.connect_mlflow(settings.mlflow.url)
         with MetadataStore.checked(settings.metadata_url) as store, store.session() as session:
-            found = lineage_query.walk(
+            found = walk.walk(
                 session,
                 ref,
                 mlflow=state,
@@ -80,8 +80,8 @@ def lineage_command(
 def _log_query(logs_dir: Path, extra: list[str]) -> LogQuery:
     """The default server logs plus ``--logs``; a missing path ends the command with its name."""
     from sluicegate.errors import ConfigError
-    from tasks import lineage_query
-    from tasks.request_logs import STDIN, default_log_files, expand
+    from tasks.lineage import walk
+    from tasks.lineage.request_logs import STDIN, default_log_files, expand
 
     try:
         given = expand([Path(p) for p in extra if p != STDIN])
@@ -89,4 +89,4 @@ def _log_query(logs_dir: Path, extra: list[str]) -> LogQuery:
         raise ConfigError(f"--logs: {exc}; give an existing file or folder, or - for stdin") from exc
     files = [*default_log_files(logs_dir), *given]
     stream = sys.stdin if STDIN in extra else None
-    return lineage_query.LogQuery(tuple(dict.fromkeys(files)), stream)
+    return walk.LogQuery(tuple(dict.fromkeys(files)), stream)

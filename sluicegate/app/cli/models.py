@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 from rich.table import Table
 
-from sluicegate.cli_common import cli_errors, console, load_settings
+from sluicegate.app.cli.common import cli_errors, console, load_settings
 
 if TYPE_CHECKING:
     from sluicegate.metadata import MetadataStore
@@ -97,12 +97,12 @@ def show_command(
     """One version: evaluation metrics, lineage (data, code, runs, environment) and its alias history."""
     from sluicegate.metadata.aliases import alias_changes_for_version
     from sluicegate.metadata.models import ModelVersion
-    from tasks import lineage, registry
+    from tasks import registry, tracking
 
     settings = load_settings()
     with cli_errors():
         found = registry.resolve(settings.mlflow.url, settings.model.name, version)
-        run = lineage.client(settings.mlflow.url).get_run(found.run_id) if found.run_id else None
+        run = tracking.client(settings.mlflow.url).get_run(found.run_id) if found.run_id else None
         store = _store(settings)
         try:
             with store.session() as session:

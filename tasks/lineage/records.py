@@ -1,4 +1,4 @@
-"""What a lineage walk returns (``tasks/lineage_query.py``): frozen records, rendered by the CLI as a tree
+"""What a lineage walk returns (``tasks/lineage/walk.py``): frozen records, rendered by the CLI as a tree
 or as one JSON document (field names are the JSON keys, so renaming one is a breaking change)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Literal
 
-from tasks.request_logs import RequestLine
+from tasks.lineage.request_logs import RequestLine
 
 Kind = Literal["request", "model", "data"]
 

@@ -15,9 +15,9 @@ from typing import Any
 import httpx
 from sqlalchemy import select
 
+from sluicegate.app.demo.prefect_runs import FlowRun, flow_runs_for_key
 from sluicegate.metadata import MetadataStore
 from sluicegate.metadata.models import Deployment, ModelVersion, PipelineRun, RolloutStep
-from sluicegate.runs import FlowRun, flow_runs_for_key
 
 
 @dataclass(frozen=True)

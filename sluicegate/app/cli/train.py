@@ -11,7 +11,7 @@ import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from sluicegate import ids
-from sluicegate.cli_common import cli_errors, console, load_settings
+from sluicegate.app.cli.common import cli_errors, console, load_settings
 
 
 def train_command(
@@ -19,12 +19,12 @@ def train_command(
     out: Annotated[Path, typer.Option(help="Model repository to write <model>/<version>/ into.")],
 ) -> None:
     """Train, gate and convert a model from a dataset; write the model repository version."""
-    from sluicegate.cli_data import _source, print_verdict
+    from serving.model_format import ModelConfig, write_version
+    from sluicegate.app.cli.data import _source, print_verdict
     from tasks.conversion import build_tensorrt_engine, export_onnx, parity
     from tasks.datasets import manifest_paths
     from tasks.feature_gate import spec_from_settings
     from tasks.image_stats import channel_baseline, collect_stats
-    from tasks.model_repository import ModelConfig, write_version
     from tasks.train_gate import train_gate
     from tasks.training import load_split, save_checkpoint, train
 

@@ -19,12 +19,12 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from sluicegate import stack
-from sluicegate.demo_traffic import Traffic, TrafficReport, load_inputs
-from sluicegate.demo_watch import Followed, TaskRun, follow
+from sluicegate.app import stack
+from sluicegate.app.demo.prefect_runs import FlowRun
+from sluicegate.app.demo.traffic import Traffic, TrafficReport, load_inputs
+from sluicegate.app.demo.watch import Followed, TaskRun, follow
 from sluicegate.errors import SluicegateError
 from sluicegate.metadata import MetadataStore
-from sluicegate.runs import FlowRun
 from sluicegate.settings import Settings
 
 DATASET = "pcb"
@@ -120,7 +120,7 @@ def run(
                 state = outcome.flow_run.state if outcome.flow_run else "no flow run"
                 console.print(f"[red]expected {step.expect}, got {state}; logs in {settings.home / 'logs'}[/red]")
                 break
-        from sluicegate.demo_summary import print_summary
+        from sluicegate.app.demo.summary import print_summary
 
         print_summary(console, report, settings)
     finally:

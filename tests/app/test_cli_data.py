@@ -8,7 +8,7 @@ from pathlib import Path
 from typer.testing import CliRunner
 
 from serving.preprocessing import PreprocessSpec
-from sluicegate.cli import app
+from sluicegate.app.cli.main import app
 from sluicegate.settings import Settings
 from tests.fixtures.platform import settings_env
 
@@ -75,7 +75,7 @@ def test_push_ls_pull_and_check_from_s3(platform: Settings, tmp_path: Path) -> N
 
 
 def test_train_writes_a_verified_repository_version(tmp_path: Path) -> None:
-    from tasks.model_repository import verify_version
+    from serving.model_format import verify_version
 
     run(["dataset", "make-sample", str(tmp_path / "d"), "--count", "120", "--seed", "4"])
     result = run(

@@ -11,12 +11,12 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 from rich.table import Table
 
-from sluicegate.cli_common import cli_errors, console, load_settings
-from sluicegate.cli_data import check_app, dataset_app
-from sluicegate.cli_lineage import lineage_command
-from sluicegate.cli_models import models_app
-from sluicegate.cli_rollout import rollout_app
-from sluicegate.cli_train import train_command
+from sluicegate.app.cli.common import cli_errors, console, load_settings
+from sluicegate.app.cli.data import check_app, dataset_app
+from sluicegate.app.cli.lineage import lineage_command
+from sluicegate.app.cli.models import models_app
+from sluicegate.app.cli.rollout import rollout_app
+from sluicegate.app.cli.train import train_command
 from sluicegate.settings import Settings
 
 if TYPE_CHECKING:
@@ -44,7 +44,7 @@ def _configure_logging(level: int = logging.INFO) -> None:
 @app.command()
 def up() -> None:
     """Start the embedded stack (a no-op when it is already running) and print its URLs."""
-    from sluicegate import stack
+    from sluicegate.app import stack
 
     settings = load_settings()
     seen: set[str] = set()
@@ -93,7 +93,7 @@ def _redact(url: str) -> str:
 @app.command()
 def status() -> None:
     """Each part of the embedded stack: process, health, restarts."""
-    from sluicegate import stack
+    from sluicegate.app import stack
 
     settings = load_settings()
     overall, rows = stack.status(settings)
@@ -117,7 +117,7 @@ def status() -> None:
 @app.command()
 def down() -> None:
     """Stop the embedded stack and every process it started."""
-    from sluicegate import stack
+    from sluicegate.app import stack
 
     settings = load_settings()
     with console.status("stopping..."):
@@ -153,7 +153,7 @@ def demo(
 ) -> None:
     """The whole chain on the embedded stack: a first champion, a corrupt dataset stopped by the data gate,
     an improved one through the canary to champion under traffic; then a summary and the UI links."""
-    from sluicegate import demo as demo_run
+    from sluicegate.app.demo import run as demo_run
 
     with cli_errors():
         report = demo_run.run(
@@ -183,7 +183,7 @@ def config(
 @app.command("stack-supervise", hidden=True)
 def stack_supervise() -> None:
     """The detached supervisor process (started by `up`)."""
-    from sluicegate import stack
+    from sluicegate.app import stack
 
     _configure_logging()
     raise typer.Exit(stack.supervise(load_settings()))

@@ -1,6 +1,6 @@
 """How `sluicegate lineage` shows a walk: a rich ``Tree`` for people, one JSON document for scripts.
 
-The JSON document is the records of ``tasks/lineage_records.py`` as they are (field names are the keys,
+The JSON document is the records of ``tasks/lineage/records.py`` as they are (field names are the keys,
 times ISO 8601 in UTC), under ``"format": "sluicegate.lineage/1"``; a breaking change bumps the number.
 """
 
@@ -15,7 +15,7 @@ from rich.markup import escape
 from rich.tree import Tree
 
 if TYPE_CHECKING:
-    from tasks.lineage_records import (
+    from tasks.lineage.records import (
         DataLineage,
         DatasetInfo,
         DeploymentInfo,
@@ -25,7 +25,7 @@ if TYPE_CHECKING:
         PipelineRunInfo,
         TrainingRun,
     )
-    from tasks.request_logs import RequestLine
+    from tasks.lineage.request_logs import RequestLine
 
 FORMAT = "sluicegate.lineage/1"
 # What the tree shows of the environment JSON (all of it is in --json), in this order.

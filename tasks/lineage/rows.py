@@ -1,6 +1,6 @@
 """Turning metadata-store rows (and their MLflow runs) into lineage records: the steps of a walk.
 
-``Walker`` holds one walk's session, MLflow client and notes; ``tasks/lineage_query.py`` decides where a
+``Walker`` holds one walk's session, MLflow client and notes; ``tasks/lineage/walk.py`` decides where a
 walk starts. Every MLflow call is optional: with no client, or a call that fails, the record leaves the
 MLflow part out and a note says why.
 """
@@ -22,7 +22,7 @@ from sluicegate.metadata.models import (
     PipelineRun,
     S3Event,
 )
-from tasks import lineage_records as rec
+from tasks.lineage import records as rec
 
 if TYPE_CHECKING:
     from mlflow import MlflowClient

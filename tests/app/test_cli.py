@@ -2,7 +2,7 @@ from pathlib import Path
 
 from typer.testing import CliRunner
 
-from sluicegate.cli import app
+from sluicegate.app.cli.main import app
 
 
 def test_db_commands_on_postgres(fresh_postgres_url: str, tmp_path: Path) -> None:

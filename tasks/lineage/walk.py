@@ -27,9 +27,9 @@ from sqlalchemy.orm import Session
 from sluicegate.errors import SluicegateError
 from sluicegate.metadata import repository as repo
 from sluicegate.metadata.models import ModelVersion
-from tasks import lineage_rows as rows
-from tasks.lineage_records import DataLineage, Lineage, MlflowState, ModelLineage
-from tasks.request_logs import RequestLine, find_request
+from tasks.lineage import rows
+from tasks.lineage.records import DataLineage, Lineage, MlflowState, ModelLineage
+from tasks.lineage.request_logs import RequestLine, find_request
 
 if TYPE_CHECKING:
     from mlflow import MlflowClient
@@ -62,14 +62,14 @@ def connect_mlflow(tracking_uri: str, timeout_s: float = 3.0) -> tuple[MlflowSta
 
     Checked once up front: MLflow's own client retries a refused connection for minutes.
     """
-    from tasks import lineage
+    from tasks import tracking
 
     if tracking_uri.startswith(("http://", "https://")):
         try:
             httpx.get(f"{tracking_uri.rstrip('/')}/health", timeout=timeout_s).raise_for_status()
         except httpx.HTTPError as exc:
             return MlflowState(tracking_uri, False, f"{type(exc).__name__}: {exc}"), None
-    return MlflowState(tracking_uri, True), lineage.client(tracking_uri)
+    return MlflowState(tracking_uri, True), tracking.client(tracking_uri)
 
 
 def walk(

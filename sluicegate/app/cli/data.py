@@ -11,7 +11,7 @@ import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
-from sluicegate.cli_common import cli_errors, console, load_settings
+from sluicegate.app.cli.common import cli_errors, console, load_settings
 from sluicegate.settings import Settings
 
 if TYPE_CHECKING:

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 from rich.table import Table
 
-from sluicegate.cli_common import cli_errors, console, load_settings
+from sluicegate.app.cli.common import cli_errors, console, load_settings
 
 if TYPE_CHECKING:
     from sluicegate.settings import Settings

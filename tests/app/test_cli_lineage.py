@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from sluicegate.cli import app
+from sluicegate.app.cli.main import app
 from sluicegate.settings import Settings
 from tests.fixtures import lineage as history
 from tests.fixtures.services import free_port

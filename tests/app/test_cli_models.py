@@ -6,11 +6,11 @@ import json
 
 from typer.testing import CliRunner
 
-from sluicegate.cli import app
+from sluicegate.app.cli.main import app
 from sluicegate.metadata import MetadataStore
 from sluicegate.metadata.aliases import alias_history
 from sluicegate.settings import Settings
-from tasks import lineage, registry
+from tasks import registry, tracking
 from tests.fixtures.models import register
 
 runner = CliRunner()
@@ -74,7 +74,7 @@ def test_promote_show_rollback_with_who_and_why(platform: Settings) -> None:
     assert again.exit_code == 0 and "nothing changed" in again.output
     forced = run("models", "promote", failed.model_version, "--reason", "hotfix", "--force")
     assert forced.exit_code == 0 and champion(platform) == failed.model_version
-    lineage.client(platform.mlflow.url).delete_registered_model(platform.model.name)
+    tracking.client(platform.mlflow.url).delete_registered_model(platform.model.name)
 
 
 def test_unknown_versions_and_empty_history_are_explained(platform: Settings) -> None:
@@ -92,4 +92,4 @@ def test_unknown_versions_and_empty_history_are_explained(platform: Settings) ->
     assert first_only.exit_code == 1 and "is the first champion" in first_only.output
     no_reason = run("models", "promote", "1")
     assert no_reason.exit_code == 2 and "--reason" in no_reason.output
-    lineage.client(platform.mlflow.url).delete_registered_model(platform.model.name)
+    tracking.client(platform.mlflow.url).delete_registered_model(platform.model.name)

@@ -13,7 +13,7 @@ from sluicegate.metadata import MetadataStore
 from sluicegate.metadata.models import GateResult, ModelVersion, PipelineRun
 
 if TYPE_CHECKING:
-    from sluicegate.demo import DemoReport, Outcome
+    from sluicegate.app.demo.run import DemoReport, Outcome
     from sluicegate.settings import Settings
 
 FIRST_CHAMPION_TARGET_S = 300.0

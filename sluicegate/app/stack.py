@@ -177,7 +177,7 @@ def parts(settings: Settings) -> list[Part]:
     chosen.append(
         Part(
             "bridge",
-            [py, "-m", "sluicegate.cli", "bridge"],
+            [py, "-m", "sluicegate.app.cli", "bridge"],
             f"http://{LOOPBACK}:{settings.events.webhook_port}/health",
             f"http://{LOOPBACK}:{settings.events.webhook_port}/events",
         )
@@ -490,7 +490,7 @@ def up(settings: Settings, on_progress: Callable[[StackState], None] | None = No
         paths.state.unlink()
     with paths.supervisor_log.open("ab") as handle:
         subprocess.Popen(
-            [sys.executable, "-m", "sluicegate.cli", "stack-supervise"],
+            [sys.executable, "-m", "sluicegate.app.cli", "stack-supervise"],
             env=child_env(settings),
             stdout=handle,
             stderr=subprocess.STDOUT,

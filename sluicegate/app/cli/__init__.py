@@ -1,0 +1,1 @@
+"""The ``sluicegate`` command line (typer): one module per command group; ``main`` assembles them."""
