@@ -9,12 +9,15 @@ then the Great Expectations suite. The peer is the same work done one image at a
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import socket
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -29,6 +32,7 @@ from tasks.datasets import manifest_paths
 from tasks.image_stats import collect_stats
 from tasks.sample_data import make_sample
 from tasks.transfer import push_directory
+from tasks.verdicts import GateVerdict
 
 
 def free_port() -> int:
@@ -37,16 +41,32 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def main() -> None:
+@dataclass(frozen=True)
+class Measured:
+    """One run's timings; ``sequential_*`` and ``raw_get_s`` cover the first ``sequential_images``."""
+
+    images: int
+    render_s: float
+    stats_s: float
+    gx_s: float
+    sequential_images: int
+    sequential_s: float
+    raw_get_s: float
+    verdict: GateVerdict
+
+
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--images", type=int, default=10_000)
     parser.add_argument("--sequential-slice", type=int, default=1_000)
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--out", type=Path, default=Path("bench-results/data_gate_throughput.json"))
-    args = parser.parse_args()
-    console = Console()
-    work = Path(tempfile.mkdtemp(prefix="sluicegate-bench-gate-"))
-    port = free_port()
+    return parser.parse_args()
+
+
+@contextlib.contextmanager
+def moto_server(port: int) -> Iterator[None]:
+    """A moto server in its own process on ``port``, stopped on the way out."""
     moto = subprocess.Popen(
         [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
         stdout=subprocess.DEVNULL,
@@ -59,77 +79,100 @@ def main() -> None:
                 break
             except httpx.HTTPError:
                 time.sleep(0.1)
-        settings = Settings(home=work, storage={"port": port})
-        storage.provision(settings)
-        with console.status(f"rendering {args.images} images..."):
-            start = time.perf_counter()
-            make_sample(work / "data", count=args.images, seed=1)
-            render_s = time.perf_counter() - start
-        with console.status("pushing to S3..."):
-            pushed = push_directory(settings, work / "data", "bench", "v1")
-        prefix = pushed.manifest_key.rsplit("/", 1)[0] + "/"
-        source = S3Source(storage.s3_client(settings), settings.storage.bucket, prefix)
-        manifest = source.manifest()
-        paths = manifest_paths(manifest)
-
-        with console.status(f"data gate, concurrency {args.concurrency}..."):
-            start = time.perf_counter()
-            stats = collect_stats(source, paths, concurrency=args.concurrency)
-            stats_s = time.perf_counter() - start
-            start = time.perf_counter()
-            verdict, _ = run_data_gate(manifest, stats, None, DataGateSettings())
-            gx_s = time.perf_counter() - start
-        subset = paths[: args.sequential_slice]
-        with console.status(f"ceiling: raw GETs only, {args.concurrency} in flight..."):
-            start = time.perf_counter()
-            for _ in map_objects(source, subset, lambda _path, data: len(data), args.concurrency):
-                pass
-            raw_get_s = time.perf_counter() - start
-        with console.status(f"peer: one image at a time over {len(subset)} images..."):
-            start = time.perf_counter()
-            collect_stats(source, subset, concurrency=1)
-            sequential_s = time.perf_counter() - start
+        yield
     finally:
         moto.terminate()
         moto.wait(10)
 
-    parallel_rate = len(paths) / stats_s
-    sequential_rate = len(subset) / sequential_s
-    total_rate = len(paths) / (stats_s + gx_s)
-    table = Table(title=f"data gate over {len(paths)} images from the S3 endpoint (this machine)")
+
+def measure(settings: Settings, work: Path, args: argparse.Namespace, console: Console) -> Measured:
+    """Render and push the sample, then time the gate, the raw-GET ceiling and the sequential peer."""
+    storage.provision(settings)
+    with console.status(f"rendering {args.images} images..."):
+        start = time.perf_counter()
+        make_sample(work / "data", count=args.images, seed=1)
+        render_s = time.perf_counter() - start
+    with console.status("pushing to S3..."):
+        pushed = push_directory(settings, work / "data", "bench", "v1")
+    prefix = pushed.manifest_key.rsplit("/", 1)[0] + "/"
+    source = S3Source(storage.s3_client(settings), settings.storage.bucket, prefix)
+    manifest = source.manifest()
+    paths = manifest_paths(manifest)
+
+    with console.status(f"data gate, concurrency {args.concurrency}..."):
+        start = time.perf_counter()
+        stats = collect_stats(source, paths, concurrency=args.concurrency)
+        stats_s = time.perf_counter() - start
+        start = time.perf_counter()
+        verdict, _ = run_data_gate(manifest, stats, None, DataGateSettings())
+        gx_s = time.perf_counter() - start
+    subset = paths[: args.sequential_slice]
+    with console.status(f"ceiling: raw GETs only, {args.concurrency} in flight..."):
+        start = time.perf_counter()
+        for _ in map_objects(source, subset, lambda _path, data: len(data), args.concurrency):
+            pass
+        raw_get_s = time.perf_counter() - start
+    with console.status(f"peer: one image at a time over {len(subset)} images..."):
+        start = time.perf_counter()
+        collect_stats(source, subset, concurrency=1)
+        sequential_s = time.perf_counter() - start
+    return Measured(len(paths), render_s, stats_s, gx_s, len(subset), sequential_s, raw_get_s, verdict)
+
+
+def report(m: Measured, concurrency: int, console: Console) -> float:
+    """Print the table and the verdict; returns the whole gate's images/s."""
+    parallel_rate = m.images / m.stats_s
+    sequential_rate = m.sequential_images / m.sequential_s
+    total_rate = m.images / (m.stats_s + m.gx_s)
+    table = Table(title=f"data gate over {m.images} images from the S3 endpoint (this machine)")
     for column in ("what", "seconds", "images/s", "ratio vs peer"):
         table.add_column(column, justify="left" if column == "what" else "right")
     table.add_row(
-        "peer: stats one image at a time", f"{sequential_s:.1f} ({len(subset)} img)", f"{sequential_rate:.0f}", "1.00"
+        "peer: stats one image at a time",
+        f"{m.sequential_s:.1f} ({m.sequential_images} img)",
+        f"{sequential_rate:.0f}",
+        "1.00",
     )
     table.add_row(
-        f"stats, {args.concurrency} in flight",
-        f"{stats_s:.1f}",
+        f"stats, {concurrency} in flight",
+        f"{m.stats_s:.1f}",
         f"{parallel_rate:.0f}",
         f"{parallel_rate / sequential_rate:.2f}",
     )
     table.add_row(
-        f"ceiling: endpoint GETs only, {args.concurrency} in flight",
-        f"{raw_get_s:.1f} ({len(subset)} img)",
-        f"{len(subset) / raw_get_s:.0f}",
-        f"{len(subset) / raw_get_s / sequential_rate:.2f}",
+        f"ceiling: endpoint GETs only, {concurrency} in flight",
+        f"{m.raw_get_s:.1f} ({m.sequential_images} img)",
+        f"{m.sequential_images / m.raw_get_s:.0f}",
+        f"{m.sequential_images / m.raw_get_s / sequential_rate:.2f}",
     )
-    table.add_row("GX suite (all expectations)", f"{gx_s:.1f}", "-", "-")
-    table.add_row("whole gate", f"{stats_s + gx_s:.1f}", f"{total_rate:.0f}", f"{total_rate / sequential_rate:.2f}")
+    table.add_row("GX suite (all expectations)", f"{m.gx_s:.1f}", "-", "-")
+    table.add_row("whole gate", f"{m.stats_s + m.gx_s:.1f}", f"{total_rate:.0f}", f"{total_rate / sequential_rate:.2f}")
     console.print(table)
-    console.print(f"verdict: {verdict.reason()}  (rendering took {render_s:.0f} s, not counted)")
+    console.print(f"verdict: {m.verdict.reason()}  (rendering took {m.render_s:.0f} s, not counted)")
+    return total_rate
+
+
+def main() -> None:
+    args = parse_args()
+    console = Console()
+    work = Path(tempfile.mkdtemp(prefix="sluicegate-bench-gate-"))
+    port = free_port()
+    with moto_server(port):
+        settings = Settings(home=work, storage={"port": port})
+        m = measure(settings, work, args, console)
+    total_rate = report(m, args.concurrency, console)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(
         json.dumps(
             {
-                "images": len(paths),
-                "stats_seconds": stats_s,
-                "gx_seconds": gx_s,
-                "sequential_images": len(subset),
-                "sequential_seconds": sequential_s,
-                "raw_get_seconds": raw_get_s,
+                "images": m.images,
+                "stats_seconds": m.stats_s,
+                "gx_seconds": m.gx_s,
+                "sequential_images": m.sequential_images,
+                "sequential_seconds": m.sequential_s,
+                "raw_get_seconds": m.raw_get_s,
                 "images_per_second": total_rate,
-                "passed": verdict.passed,
+                "passed": m.verdict.passed,
             },
             indent=2,
         )

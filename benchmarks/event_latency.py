@@ -26,13 +26,12 @@ from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
-from sqlalchemy import select
 
 from sluicegate import storage
 from sluicegate.app import stack
 from sluicegate.app.demo.prefect_runs import wait_for_flow_run
 from sluicegate.metadata import MetadataStore
-from sluicegate.metadata.models import S3Event
+from sluicegate.metadata.events import s3_event_emitted_at
 from sluicegate.settings import Settings
 from tasks.datasets import MANIFEST
 
@@ -62,10 +61,8 @@ def one_upload(settings: Settings, index: int) -> dict[str, float]:
     run = wait_for_flow_run(settings.prefect.url, key, timeout=120, poll=0.05)
     if run is None or run.start_time is None:
         raise RuntimeError(f"upload {index}: no finished flow run for {key}; see {settings.home / 'logs'}")
-    store = MetadataStore(settings.metadata_url)
-    with store.session() as session:
-        emitted = session.scalars(select(S3Event.emitted_at).where(S3Event.key == key)).one()
-    store.dispose()
+    with MetadataStore.checked(settings.metadata_url) as store, store.session() as session:
+        emitted = s3_event_emitted_at(session, key)
     assert emitted is not None
     return {
         "PUT -> event emitted": (emitted - put_at).total_seconds(),

@@ -330,39 +330,39 @@ def parse_args() -> argparse.Namespace:
     return fill_defaults(parser.parse_args(), quick, {"duration": 12.0, "warmup": 3.0, "repeats": 2})
 
 
-def main() -> None:
-    args = parse_args()
-    bench: Path = args.bench_dir
-    require_harness(bench)
-    server_cpu, client_cpu, pin_note = pinning()
-    progress(f"pinning: {pin_note}")
-    started = cpu_seconds()
+Lines = list[dict[str, Any]]
+
+
+def run_repeats(
+    bench: Path, max_batch: dict[str, int], pins: tuple[list[str], list[str]], args: argparse.Namespace
+) -> tuple[list[tuple[Lines, Lines]], dict[str, list[Any]]]:
+    """Every repeat in a scratch folder (removed after): each repeat's (server lines, limit lines), and the
+    warnings and errors of each server's log per repeat."""
     work = Path(tempfile.mkdtemp(prefix="sluicegate-bench-serving-"))
-    max_batch = {"small": args.small_max_batch, "medium": args.medium_max_batch}
     runs = []
     problems: dict[str, list[Any]] = {}
     try:
         repo = build_repository(bench, work, max_batch)
         for repeat in range(args.repeats):
             progress(f"repeat {repeat + 1}/{args.repeats}")
-            runs.append(measure_once(bench, work, repo, (server_cpu, client_cpu), repeat, args))
+            runs.append(measure_once(bench, work, repo, pins, repeat, args))
             for label, log in ((OURS, work / "server.log"), (REFERENCE, work / "reference.log")):
                 problems.setdefault(label, []).append(log_problems(log))
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    repeats = [
-        Repeat(
-            server_row(lines, OURS, "sluicegate (this run)"),
-            server_row(lines, REFERENCE, "grpcio reference (this run)"),
-            limit_row(limit_lines),
-        )
-        for lines, limit_lines in runs
-    ]
-    ours, reference, limit = (
-        median_row([getattr(r, name) for r in repeats]) for name in ("ours", "reference", "limit")
-    )
-    every = [line for lines, limit_lines in runs for line in lines + limit_lines]
-    busy = others_cores(started)
+    return runs, problems
+
+
+def run_notes(
+    args: argparse.Namespace,
+    pin_note: str,
+    busy: float,
+    max_batch: dict[str, int],
+    repeats: list[Repeat],
+    every: Lines,
+    problems: dict[str, list[Any]],
+) -> dict[str, Any]:
+    """How the run went: durations, pinning, revision, noise, caps, spread, and the servers' logs."""
     notes: dict[str, Any] = {
         "durations": f"{args.duration:g} s per point after {args.warmup:g} s warm-up; median of {args.repeats} run(s)",
         "pinning": pin_note,
@@ -385,6 +385,31 @@ def main() -> None:
     }
     if busy > NOISE_CORES:
         notes["WARNING"] = f"other processes used {busy:.2f} cores during the run: rerun on a quiet machine"
+    return notes
+
+
+def main() -> None:
+    args = parse_args()
+    bench: Path = args.bench_dir
+    require_harness(bench)
+    server_cpu, client_cpu, pin_note = pinning()
+    progress(f"pinning: {pin_note}")
+    started = cpu_seconds()
+    max_batch = {"small": args.small_max_batch, "medium": args.medium_max_batch}
+    runs, problems = run_repeats(bench, max_batch, (server_cpu, client_cpu), args)
+    repeats = [
+        Repeat(
+            server_row(lines, OURS, "sluicegate (this run)"),
+            server_row(lines, REFERENCE, "grpcio reference (this run)"),
+            limit_row(limit_lines),
+        )
+        for lines, limit_lines in runs
+    ]
+    ours, reference, limit = (
+        median_row([getattr(r, name) for r in repeats]) for name in ("ours", "reference", "limit")
+    )
+    every = [line for lines, limit_lines in runs for line in lines + limit_lines]
+    notes = run_notes(args, pin_note, others_cores(started), max_batch, repeats, every, problems)
     print(markdown(ours, reference, limit, repeats, notes))
     report = {
         "ours": asdict(ours),

@@ -20,7 +20,8 @@ from sluicegate.settings import ConversionSettings, Settings
 from tasks.conversion import export_onnx, parity
 from tasks.dataset_source import LocalSource
 from tasks.sample_data import make_sample
-from tasks.training import load_split, train
+from tasks.training import train
+from tasks.training_data import load_split
 
 
 def run(size: int, work: Path, epochs: int) -> dict[str, float]:

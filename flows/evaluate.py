@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING, Any
 from prefect.artifacts import create_image_artifact
 from prefect.runtime import flow_run
 
-from flows import gates
+from flows.gates import source_of
+from flows.run_context import artifact_key, dataset_context
 from flows.wrappers import stage
 from sluicegate.settings import Settings
 from tasks import tracking
@@ -22,7 +23,7 @@ from tasks.datasets import ResolvedDataset
 from tasks.verdicts import Check, GateVerdict
 
 if TYPE_CHECKING:
-    from sluicegate.metadata import MetadataStore
+    from flows.run_context import RunContext
     from tasks.evaluation import Evaluation
     from tasks.registry import RegistryVersion
 
@@ -45,7 +46,7 @@ def _evaluate(settings: Settings, dataset: ResolvedDataset, manifest: bytes, can
 
     rules = settings.eval_gate
     images, labels = load_test_split(
-        gates._source(settings, dataset),
+        source_of(settings, dataset),
         manifest,
         limit=rules.max_images,
         concurrency=settings.data_gate.read_concurrency,
@@ -82,79 +83,82 @@ def _evaluate(settings: Settings, dataset: ResolvedDataset, manifest: bytes, can
     return Evaluated(verdict, evaluations, champion)
 
 
-def _publish(
-    settings: Settings,
-    store: MetadataStore,
-    *,
-    run_id: int,
-    mlflow_run_id: str,
-    dataset: ResolvedDataset,
-    evaluated: Evaluated,
-    candidate: RegistryVersion,
-    train_images: int | None,
-) -> str:
-    """Plots, model card, metrics and the report everywhere people look; registry tags on the version.
+@dataclass(frozen=True)
+class EvaluationReport:
+    """What the eval gate's verdict is published with (``RunContext.gate``)."""
 
-    Returns the report's location (the MLflow artifact folder).
-    """
-    from sluicegate import ids
-    from tasks import eval_report, registry
+    markdown: str | None  # None: nothing was measured, the standard check table says why
+    evidence: dict[str, Any] | None
 
-    tracker = tracking.client(settings.mlflow.url)
-    evaluations = evaluated.evaluations
-    verdict = evaluated.verdict
-    images: dict[str, str] = {}
+
+def _publish(run: RunContext, evaluated: Evaluated, candidate: RegistryVersion) -> EvaluationReport:
+    """Plots, model card and metrics in MLflow, the confusion matrix in Prefect, the outcome as registry
+    tags on the candidate; returns the report the verdict is published with."""
+    from tasks import registry
+
+    evaluations, verdict = evaluated.evaluations, evaluated.verdict
+    report = EvaluationReport(None, None)
     if evaluations:
-        for path, png in (
-            (CONFUSION_PNG, eval_report.confusion_png(evaluations)),
-            (CALIBRATION_PNG, eval_report.calibration_png(evaluations)),
-        ):
-            _log_bytes(tracker, mlflow_run_id, path, png)
-            images[Path(path).stem.replace("_", " ")] = artifact_url(settings.mlflow.url, mlflow_run_id, path)
-        for evaluation in evaluations:
-            for name, value in _flat_metrics(evaluation).items():
-                tracker.log_metric(mlflow_run_id, f"eval.{evaluation.role}.{name}", value)
-        card = eval_report.model_card(
-            model_name=settings.model.name,
-            candidate=evaluations[0],
-            champion=evaluations[1] if len(evaluations) > 1 else None,
-            verdict=verdict,
-            lineage=candidate.tags,
-            dataset=f"{dataset.name}/{dataset.label}",
-            environment=ids.environment(),
-            intended_use=settings.model.intended_use,
-            labels=evaluations[0].model_labels,
-            train_images=train_images,
-        )
-        tracker.log_text(mlflow_run_id, card, MODEL_CARD)
-        markdown = eval_report.eval_markdown(
-            verdict, evaluations, context=gates.dataset_context(dataset), images=images
-        )
-    else:
-        markdown = None  # nothing was measured: the standard check table says why
-    evidence = {"evaluations": {"evaluations": [e.to_dict() for e in evaluations]}} if evaluations else None
-    report = gates.publish_verdict(
-        settings,
-        store,
-        run_id=run_id,
-        mlflow_run_id=mlflow_run_id,
-        dataset=dataset,
-        verdict=verdict,
-        evidence=evidence,
-        markdown=markdown,
-    )
-    if "confusion matrix" in images:
+        images = _log_evaluations(run, evaluations)
+        _log_model_card(run, evaluated, candidate)
+        markdown = _eval_markdown(run, evaluated, images)
+        report = EvaluationReport(markdown, {"evaluations": {"evaluations": [e.to_dict() for e in evaluations]}})
         create_image_artifact(
             image_url=images["confusion matrix"],
-            key=gates.artifact_key("eval-confusion-matrix", dataset),
+            key=artifact_key("eval-confusion-matrix", run.pinned),
             description=f"confusion matrices, candidate {candidate.model_version} vs champion",
         )
-    outcome = "passed" if verdict.passed else "failed"
-    tags = {registry.TAG_EVAL_GATE: outcome}
+    tags = {registry.TAG_EVAL_GATE: "passed" if verdict.passed else "failed"}
     if evaluations:
         tags["sluicegate.eval.accuracy"] = f"{evaluations[0].accuracy:.4f}"
-    registry.set_tags(settings.mlflow.url, candidate, tags)
+    registry.set_tags(run.settings.mlflow.url, candidate, tags)
     return report
+
+
+def _log_evaluations(run: RunContext, evaluations: list[Evaluation]) -> dict[str, str]:
+    """Confusion-matrix and calibration plots and every evaluation's metrics; returns the plots' URLs."""
+    from tasks import eval_report
+
+    tracker = tracking.client(run.settings.mlflow.url)
+    images: dict[str, str] = {}
+    for path, png in (
+        (CONFUSION_PNG, eval_report.confusion_png(evaluations)),
+        (CALIBRATION_PNG, eval_report.calibration_png(evaluations)),
+    ):
+        _log_bytes(tracker, run.tracked, path, png)
+        images[Path(path).stem.replace("_", " ")] = artifact_url(run.settings.mlflow.url, run.tracked, path)
+    for evaluation in evaluations:
+        for name, value in _flat_metrics(evaluation).items():
+            tracker.log_metric(run.tracked, f"eval.{evaluation.role}.{name}", value)
+    return images
+
+
+def _log_model_card(run: RunContext, evaluated: Evaluated, candidate: RegistryVersion) -> None:
+    from sluicegate import ids
+    from tasks import eval_report
+    from tasks.training_data import labelled_rows
+
+    evaluations, settings = evaluated.evaluations, run.settings
+    card = eval_report.model_card(
+        model_name=settings.model.name,
+        candidate=evaluations[0],
+        champion=evaluations[1] if len(evaluations) > 1 else None,
+        verdict=evaluated.verdict,
+        lineage=candidate.tags,
+        dataset=f"{run.pinned.name}/{run.pinned.label}",
+        environment=ids.environment(),
+        intended_use=settings.model.intended_use,
+        labels=evaluations[0].model_labels,
+        train_images=len(labelled_rows(run.manifest, "train")),
+    )
+    tracking.client(settings.mlflow.url).log_text(run.tracked, card, MODEL_CARD)
+
+
+def _eval_markdown(run: RunContext, evaluated: Evaluated, images: dict[str, str]) -> str:
+    from tasks import eval_report
+
+    context = dataset_context(run.pinned)
+    return eval_report.eval_markdown(evaluated.verdict, evaluated.evaluations, context=context, images=images)
 
 
 def _flat_metrics(evaluation: Evaluation) -> dict[str, float]:
@@ -179,9 +183,7 @@ def artifact_url(tracking_uri: str, run_id: str, path: str) -> str:
     return f"{tracking_uri.rstrip('/')}/get-artifact?" + urlencode({"path": path, "run_uuid": run_id})
 
 
-def _promote_challenger(
-    settings: Settings, store: MetadataStore, *, run_id: int, candidate: RegistryVersion, verdict: GateVerdict
-) -> bool:
+def _promote_challenger(run: RunContext, candidate: RegistryVersion, verdict: GateVerdict) -> bool:
     """Move ``challenger`` to the candidate; True when it moved (False: it already held it)."""
     from tasks import registry
 
@@ -193,13 +195,13 @@ def _promote_challenger(
     )
     reason = f"eval gate passed: accuracy {float(metrics['candidate_accuracy']):.4f} vs {against}"
     moved = registry.move_alias(
-        settings.mlflow.url,
-        store,
+        run.settings.mlflow.url,
+        run.store,
         candidate,
         registry.CHALLENGER,
         actor=f"pipeline:{flow_run.get_name() or 'manual'}",
         reason=reason,
-        pipeline_run_id=run_id,
+        pipeline_run_id=run.run_id,
     )
     return moved is not None
 

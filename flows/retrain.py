@@ -25,27 +25,21 @@ def _newest(settings: Settings) -> retrain.NewestDataset | None:
 
 def _record_skip(settings: Settings, decision: retrain.RetrainDecision) -> int:
     """A pipeline-run row with status ``skipped``, linked to the dataset version, so lineage shows it."""
-    from sluicegate.metadata import MetadataStore
-    from sluicegate.metadata import repository as repo
+    from sluicegate.metadata import MetadataStore, runs
 
     code = ids.code_version(baked=settings.code_commit)
     newest = decision.newest
-    with MetadataStore.checked(settings.metadata_url) as store, store.session() as session:
-        row = repo.start_pipeline_run(
-            session,
-            prefect_flow_run_id=flow_run.get_id(),
+    with MetadataStore.checked(settings.metadata_url) as store:
+        return runs.record_skipped_run(
+            store,
+            flow_run_id=flow_run.get_id(),
             trigger="schedule",
-            trigger_event_id=None,
-            code_version=code.commit,
+            code_commit=code.commit,
             code_dirty=code.dirty,
             parameters={"key": newest.key if newest else "", "version_id": newest.version_id if newest else ""},
+            data_version=newest.data_version if newest else None,
+            reason=decision.reason,
         )
-        if newest is not None:
-            version = repo.find_dataset_version(session, newest.data_version)
-            if version is not None:
-                repo.set_pipeline_run_dataset(session, row.id, version.id)
-        repo.finish_pipeline_run(session, row.id, status="skipped", reason=decision.reason)
-        return row.id
 
 
 find_newest = stage(_newest, "find-newest-dataset")

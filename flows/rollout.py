@@ -12,8 +12,10 @@ gate.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
-from typing import Any
+import logging
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
@@ -22,9 +24,122 @@ from prefect.runtime import flow_run
 from sluicegate.errors import SluicegateError
 from sluicegate.settings import Settings
 
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    from sluicegate.metadata import MetadataStore
+    from tasks.registry import RegistryVersion
+    from tasks.rollout.runner import Outcome
+
 
 class RolloutFailed(SluicegateError):
     """The canary was rolled back (or aborted): the flow run fails with the reason."""
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One analysis read of a canary step, as tasks/rollout/runner.py reports it (a step read again
+    replaces its earlier read): what the metadata store's rollout-step row and the progression show."""
+
+    step_index: int
+    canary_weight: int
+    stable_weight: int
+    decision: str
+    reasons: tuple[str, ...]
+    checks: Mapping[str, Any]
+    stable: Mapping[str, Any]
+    canary: Mapping[str, Any]
+    canary_requests: float | None = None
+    canary_p95_s: float | None = None
+    stable_p95_s: float | None = None
+    canary_error_rate: float | None = None
+
+    @classmethod
+    def from_row(cls, row: Mapping[str, Any]) -> StepRecord:
+        """The runner's row (``tasks.rollout.runner._row``) as a record."""
+        return cls(
+            step_index=row["step_index"],
+            canary_weight=row["canary_weight"],
+            stable_weight=row["stable_weight"],
+            decision=row["decision"],
+            reasons=tuple(row["reasons"]),
+            checks=row["checks"],
+            stable=row["stable"],
+            canary=row["canary"],
+            canary_requests=row.get("canary_requests"),
+            canary_p95_s=row.get("canary_p95_s"),
+            stable_p95_s=row.get("stable_p95_s"),
+            canary_error_rate=row.get("canary_error_rate"),
+        )
+
+    @property
+    def observed(self) -> dict[str, Any]:
+        return {"stable": self.stable, "canary": self.canary, "checks": self.checks}
+
+    @property
+    def reason(self) -> str | None:
+        return "; ".join(self.reasons) or None
+
+    def table_row(self) -> dict[str, object]:
+        """The columns of ``tasks.rollout.plan.progression_table``."""
+        return {
+            "step_index": self.step_index,
+            "canary_weight": self.canary_weight,
+            "decision": self.decision,
+            "canary_requests": self.canary_requests,
+            "canary_p95_s": self.canary_p95_s,
+            "stable_p95_s": self.stable_p95_s,
+            "canary_error_rate": self.canary_error_rate,
+            "reasons": list(self.reasons),
+        }
+
+
+@dataclass(frozen=True)
+class Rollout:
+    """One rollout's fixed facts: the flow's inputs, the registry version and its deployment row."""
+
+    settings: Settings
+    store: MetadataStore
+    model_name: str
+    model_version: str
+    candidate: RegistryVersion
+    deployment_id: int
+
+
+@dataclass
+class Progress:
+    """What each analysis read updates: the step's row in the metadata store and the Prefect artifact
+    ``rollout-<model>`` with the progression so far."""
+
+    rollout: Rollout
+    steps: list[StepRecord] = field(default_factory=list)
+
+    def on_step(self, row: dict[str, Any]) -> None:
+        from sluicegate.metadata import rollouts
+        from tasks.rollout.plan import progression_table
+
+        step = StepRecord.from_row(row)
+        r = self.rollout
+        rollouts.record_step(
+            r.store,
+            r.deployment_id,
+            step_index=step.step_index,
+            canary_weight=step.canary_weight,
+            stable_weight=step.stable_weight,
+            observed=step.observed,
+            decision=step.decision,
+            reason=step.reason,
+        )
+        if self.steps and self.steps[-1].step_index == step.step_index:
+            self.steps[-1] = step
+        else:
+            self.steps.append(step)
+        create_markdown_artifact(
+            key=f"rollout-{_slug(r.model_name)}",
+            markdown=f"## Canary {r.model_name} {r.model_version}\n\n"
+            + progression_table([s.table_row() for s in self.steps]),
+            description=f"rollout/{r.model_name}@{r.model_version}",
+        )
 
 
 @flow(name="rollout", flow_run_name="rollout/{model_name}@{model_version}", log_prints=True)
@@ -33,12 +148,8 @@ def rollout(model_name: str, model_version: str, registry_version: str | None = 
     from sluicegate.metadata import MetadataStore
 
     settings = Settings()
-    store = MetadataStore(settings.metadata_url)
-    try:
-        with one_rollout_at_a_time(model_name):
-            return run(settings, store, model_name, model_version, registry_version)
-    finally:
-        store.dispose()
+    with MetadataStore.checked(settings.metadata_url) as store, one_rollout_at_a_time(model_name):
+        return run(settings, store, model_name, model_version, registry_version)
 
 
 @contextlib.contextmanager
@@ -61,68 +172,82 @@ def one_rollout_at_a_time(model_name: str) -> Iterator[None]:
 
 
 def run(
-    settings: Settings, store: Any, model_name: str, model_version: str, registry_version: str | None = None
+    settings: Settings,
+    store: MetadataStore,
+    model_name: str,
+    model_version: str,
+    registry_version: str | None = None,
 ) -> dict[str, Any]:
-    """The flow's body, callable from a parent flow that already holds settings and a store."""
-    from sluicegate.metadata.models import ModelVersion
-    from sluicegate.metadata.repository import create_deployment, finish_deployment, record_rollout_step
+    """The flow's body, callable from a parent flow that already holds settings and a checked store.
+
+    Returns:
+        ``{"status": "promoted", "reason": ..., "steps": <judged steps>}``.
+
+    Raises:
+        RolloutFailed: the canary was rolled back or aborted, or the model version is not recorded.
+    """
     from tasks import registry
-    from tasks.rollout.config import (
-        alertmanager_notifier,
-        plan_from_settings,
-        platform_from_settings,
-        source_from_settings,
-    )
-    from tasks.rollout.plan import progression_table
+    from tasks.rollout.config import plan_from_settings, platform_from_settings, source_from_settings
     from tasks.rollout.runner import Hooks, run_rollout
 
     logger = get_run_logger()
     plan = plan_from_settings(settings)
-    tracking_uri = settings.mlflow.url
-    candidate = registry.resolve(tracking_uri, model_name, registry_version or model_version)
+    candidate = registry.resolve(settings.mlflow.url, model_name, registry_version or model_version)
+    platform = platform_from_settings(settings, fetch=_fetcher(settings.mlflow.url, candidate))
+    source = source_from_settings(settings)
+    deployment_id = _begin_deployment(settings, store, model_name, model_version, platform.name)
+    progress = Progress(Rollout(settings, store, model_name, model_version, candidate, deployment_id))
+    outcome = run_rollout(
+        model_name,
+        model_version,
+        platform=platform,
+        source=source,
+        plan=plan,
+        hooks=Hooks(progress.on_step, _pauser(plan.pause_before, logger)),
+    )
+    actor = f"rollout:{flow_run.get_name() or 'manual'}"
+    if outcome.status == "promoted":
+        return _promoted(progress.rollout, outcome, actor, logger)
+    _rolled_back(progress.rollout, outcome, actor)
 
-    def fetch(model: str, version: str, target: Any) -> None:
+
+def _fetcher(tracking_uri: str, candidate: RegistryVersion) -> Callable[[str, str, Path], None]:
+    """How the platform gets the candidate's files: from the registry, into the server's repository."""
+    from tasks import registry
+
+    def fetch(model: str, version: str, target: Path) -> None:
         # The registry lays a version out as <repository>/<model>/<version>, as the server reads it.
         placed = registry.download_version(tracking_uri, candidate, target.parent.parent)
         if placed != target:
             raise RolloutFailed(f"registry version {candidate.describe()} unpacked as {placed}, expected {target}")
 
-    platform = platform_from_settings(settings, fetch=fetch)
-    source = source_from_settings(settings)
-    with store.session() as session:
-        row = session.query(ModelVersion).filter_by(model_name=model_name, version=model_version).one_or_none()
-        if row is None:
-            raise RolloutFailed(f"model version {model_name} {model_version} is not in the metadata store")
-        deployment_id = create_deployment(
-            session, model_version_id=row.id, platform=platform.name, target=_target(settings, model_name)
-        ).id
-    rows: list[dict[str, Any]] = []
-    key = f"rollout-{_slug(model_name)}"
+    return fetch
 
-    def on_step(step: dict[str, Any]) -> None:
-        with store.session() as session:
-            record_rollout_step(
-                session,
-                deployment_id=deployment_id,
-                step_index=step["step_index"],
-                canary_weight=step["canary_weight"],
-                stable_weight=step["stable_weight"],
-                observed={"stable": step["stable"], "canary": step["canary"], "checks": step["checks"]},
-                decision=step["decision"],
-                reason="; ".join(step["reasons"]) or None,
-            )
-        if rows and rows[-1]["step_index"] == step["step_index"]:
-            rows[-1] = step
-        else:
-            rows.append(step)
-        create_markdown_artifact(
-            key=key,
-            markdown=f"## Canary {model_name} {model_version}\n\n{progression_table(rows)}",
-            description=f"rollout/{model_name}@{model_version}",
-        )
+
+def _begin_deployment(
+    settings: Settings, store: MetadataStore, model_name: str, model_version: str, platform: str
+) -> int:
+    from sluicegate.metadata import rollouts
+
+    deployment_id = rollouts.begin_deployment(
+        store,
+        model_name=model_name,
+        model_version=model_version,
+        platform=platform,
+        target=_target(settings, model_name),
+    )
+    if deployment_id is None:
+        raise RolloutFailed(f"model version {model_name} {model_version} is not in the metadata store")
+    return deployment_id
+
+
+def _pauser(
+    pause_before: tuple[int, ...], logger: logging.Logger | logging.LoggerAdapter[Any]
+) -> Callable[[int, int], None]:
+    """Before a step whose weight is in ``pause_before``: pause the flow run until it is resumed."""
 
     def before_step(index: int, weight: int) -> None:
-        if weight in plan.pause_before:
+        if weight in pause_before:
             from prefect.flow_runs import pause_flow_run
 
             logger.info(
@@ -130,28 +255,43 @@ def run(
             )
             pause_flow_run(timeout=24 * 3600)
 
-    outcome = run_rollout(
-        model_name, model_version, platform=platform, source=source, plan=plan, hooks=Hooks(on_step, before_step)
-    )
-    actor = f"rollout:{flow_run.get_name() or 'manual'}"
-    if outcome.status == "promoted":
-        registry.move_alias(tracking_uri, store, candidate, registry.CHAMPION, actor=actor, reason=outcome.reason)
-        registry.set_tags(tracking_uri, candidate, {"sluicegate.rollout": "promoted"})
-        with store.session() as session:
-            finish_deployment(session, deployment_id, status="promoted", reason=outcome.reason)
-        logger.info("%s %s promoted: %s", model_name, model_version, outcome.reason)
-        return {"status": outcome.status, "reason": outcome.reason, "steps": len(outcome.steps)}
-    _restore_challenger(tracking_uri, store, candidate, actor, outcome.reason)
-    registry.set_tags(tracking_uri, candidate, {"sluicegate.rollout": outcome.status})
-    with store.session() as session:
-        finish_deployment(session, deployment_id, status="rolled_back", reason=outcome.reason)
-    notify = alertmanager_notifier(settings.rollout.alertmanager_url)
+    return before_step
+
+
+def _promoted(
+    r: Rollout, outcome: Outcome, actor: str, logger: logging.Logger | logging.LoggerAdapter[Any]
+) -> dict[str, Any]:
+    """The candidate takes ``champion``; the deployment is recorded as promoted."""
+    from sluicegate.metadata import rollouts
+    from tasks import registry
+
+    tracking_uri = r.settings.mlflow.url
+    registry.move_alias(tracking_uri, r.store, r.candidate, registry.CHAMPION, actor=actor, reason=outcome.reason)
+    registry.set_tags(tracking_uri, r.candidate, {"sluicegate.rollout": "promoted"})
+    rollouts.end_deployment(r.store, r.deployment_id, "promoted", outcome.reason)
+    logger.info("%s %s promoted: %s", r.model_name, r.model_version, outcome.reason)
+    return {"status": outcome.status, "reason": outcome.reason, "steps": len(outcome.steps)}
+
+
+def _rolled_back(r: Rollout, outcome: Outcome, actor: str) -> NoReturn:
+    """``challenger`` back where it was, the version tagged, the deployment recorded, Alertmanager told."""
+    from sluicegate.metadata import rollouts
+    from tasks import registry
+    from tasks.rollout.config import alertmanager_notifier
+
+    tracking_uri = r.settings.mlflow.url
+    _restore_challenger(tracking_uri, r.store, r.candidate, actor, outcome.reason)
+    registry.set_tags(tracking_uri, r.candidate, {"sluicegate.rollout": outcome.status})
+    rollouts.end_deployment(r.store, r.deployment_id, "rolled_back", outcome.reason)
+    notify = alertmanager_notifier(r.settings.rollout.alertmanager_url)
     if notify is not None:
-        notify(model_name, model_version, outcome.reason)
-    raise RolloutFailed(f"{model_name} {model_version} {outcome.status.replace('_', ' ')}: {outcome.reason}")
+        notify(r.model_name, r.model_version, outcome.reason)
+    raise RolloutFailed(f"{r.model_name} {r.model_version} {outcome.status.replace('_', ' ')}: {outcome.reason}")
 
 
-def _restore_challenger(tracking_uri: str, store: Any, candidate: Any, actor: str, reason: str) -> None:
+def _restore_challenger(
+    tracking_uri: str, store: MetadataStore, candidate: RegistryVersion, actor: str, reason: str
+) -> None:
     """Put ``challenger`` back on what it pointed at before the candidate took it (or leave it)."""
     from sluicegate.errors import RegistryError
     from tasks import registry

@@ -19,7 +19,8 @@ from sluicegate.settings import ConversionSettings, TrainingSettings
 from tasks.conversion import build_tensorrt_engine, export_onnx, parity, tensorrt_available
 from tasks.dataset_source import LocalSource
 from tasks.sample_data import make_sample
-from tasks.training import load_split, train
+from tasks.training import train
+from tasks.training_data import load_split
 
 out = Path(os.environ.get("OUT", "/tmp"))
 work = Path(tempfile.mkdtemp())

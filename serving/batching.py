@@ -1,8 +1,9 @@
 """Dynamic batching for one model version: many small requests in, one runtime call per batch out.
 
-Request threads of the synchronous gRPC server call ``submit`` and block on the returned future; one
-worker thread per model version takes what is queued, concatenates compatible requests along the batch
-axis, runs the batch-first runtime once and hands every request its own rows back.
+Request threads (the data plane, for either transport) call ``call`` and block until their rows are back
+(``submit`` returns a future instead); one worker thread per model version takes what is queued,
+concatenates compatible requests along the batch axis, runs the batch-first runtime once and hands every
+request its own rows back.
 
 Measured on grpcio (shared FACTS, "Serving on grpcio"): batching saves per-request overhead rather than
 compute, a small batch cap beats a large one, and a batching timer makes single requests much slower

@@ -1,14 +1,19 @@
-"""Checks and tensor layout shared by the gRPC (serving/converters.py) and REST JSON
-(serving/converters_json.py) inference requests and responses.
+"""The tensor codec both transports share (serving/grpc_api/converters.py and
+serving/rest_api/converters.py): the checks every inference request gets, V2 raw bytes <-> arrays, and
+outputs laid out for the wire.
 
 A request is checked once, before anything is queued: input names present and unique, a V2 datatype,
 a shape of non-negative integer sizes, and all inputs together within the element cap (``Budget``).
 Anything else raises ``InvalidInput`` naming the input, what is wrong and what was expected.
+
+Raw bytes (V2 spec; gRPC ``raw_input_contents``, REST's binary tensor data extension): little-endian and
+row-major, one buffer per tensor; a BYTES element is a 4-byte little-endian length then its bytes.
 """
 
 from __future__ import annotations
 
 import math
+import struct
 from collections.abc import Sequence
 from typing import Any
 
@@ -19,6 +24,8 @@ from serving.errors import InvalidInput
 from serving.types import DATATYPES, RequestedOutput, Tensor
 
 Array = npt.NDArray[Any]
+
+_LENGTH = struct.Struct("<I")
 
 DEFAULT_MAX_ELEMENTS = 64 * 2**20
 # numpy before 2.0 refuses more; no model we serve comes near it.
@@ -107,3 +114,62 @@ def flat_output(tensor: Tensor) -> Array:
     if tensor.datatype == "BYTES":
         return data.reshape(-1)
     return np.ascontiguousarray(data, dtype=DATATYPES[tensor.datatype].newbyteorder("<")).reshape(-1)
+
+
+def decode_raw(name: str, datatype: str, shape: tuple[int, ...], count: int, buffer: bytes) -> Array:
+    """One tensor from its raw little-endian bytes (BYTES: 4-byte length + bytes per element), checked."""
+    if datatype == "BYTES":
+        return _bytes_from_raw(name, shape, count, buffer)
+    dtype = DATATYPES[datatype]
+    expected = count * dtype.itemsize
+    if len(buffer) != expected:
+        raise InvalidInput(
+            f"input {name!r}: raw contents are {len(buffer)} bytes; expected {expected} "
+            f"({count} {datatype} elements of {dtype.itemsize} bytes for shape {list(shape)})"
+        )
+    if datatype == "BOOL":
+        # Any non-zero byte is true; a numpy bool holding 2 would compare unequal to True.
+        return np.frombuffer(buffer, dtype=np.uint8).astype(np.bool_).reshape(shape)
+    # Zero-copy and read-only: the array shares the request's bytes.
+    return np.frombuffer(buffer, dtype=dtype.newbyteorder("<")).reshape(shape)
+
+
+def _bytes_from_raw(name: str, shape: tuple[int, ...], count: int, buffer: bytes) -> Array:
+    items, offset, size = [], 0, len(buffer)
+    for index in range(count):
+        if offset + _LENGTH.size > size:
+            raise InvalidInput(
+                f"input {name!r}: raw BYTES contents end after {index} of {count} elements (shape {list(shape)}); "
+                "expected each element as a 4-byte little-endian length followed by its bytes"
+            )
+        (length,) = _LENGTH.unpack_from(buffer, offset)
+        offset += _LENGTH.size
+        if offset + length > size:
+            raise InvalidInput(
+                f"input {name!r}: raw BYTES element {index} declares {length} bytes but {size - offset} remain; "
+                "expected each element as a 4-byte little-endian length followed by its bytes"
+            )
+        items.append(buffer[offset : offset + length])
+        offset += length
+    if offset != size:
+        raise InvalidInput(
+            f"input {name!r}: {size - offset} bytes left over after the {count} BYTES elements of shape "
+            f"{list(shape)}; expected exactly {count} length-prefixed elements"
+        )
+    return object_array(items).reshape(shape)
+
+
+def as_bytes(item: Any) -> bytes:
+    """A BYTES element as bytes (a str is sent as UTF-8)."""
+    return item.encode() if isinstance(item, str) else bytes(item)
+
+
+def encode_raw(datatype: str, flat: Array) -> bytes:
+    """The raw little-endian bytes of a flat tensor (BYTES: 4-byte length + bytes per element)."""
+    if datatype != "BYTES":
+        return flat.tobytes()
+    parts: list[bytes] = []
+    for item in flat:
+        value = as_bytes(item)
+        parts += (_LENGTH.pack(len(value)), value)
+    return b"".join(parts)

@@ -57,7 +57,7 @@ class LoadedVersion:
     inputs: dict[str, tuple[str, tuple[int, ...]]] = field(default_factory=dict)  # name -> (datatype, shape)
     outputs: dict[str, str] = field(default_factory=dict)  # name -> datatype, in the config's order
     max_batch_size: int = 1
-    plan: Any = None  # serving.fast_infer.InputPlan, built by the gRPC servicer on first use
+    plan: Any = None  # serving.grpc_api.fast_infer.InputPlan, built by the gRPC servicer on first use
 
     def __post_init__(self) -> None:
         self.inputs = {

@@ -1,6 +1,7 @@
-"""One error hierarchy for the server; each error carries its gRPC status (and the HTTP one for the side
-port). One wrapper maps them (serving/rpc_errors.py); anything else is INTERNAL, logged with its
-traceback. Messages name the field, the value and the fix."""
+"""One error hierarchy for the server; each error carries its gRPC status and its HTTP one. Each transport
+maps them in one place: serving/grpc_api/rpc_errors.py (gRPC statuses) and
+serving/rest_api/side_port.py (HTTP); anything else is INTERNAL / 500, logged with its traceback.
+Messages name the field, the value and the fix."""
 
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ baseline, lineage) and ``SHA256SUMS`` in sha256sum format covering every other f
 once, atomically, and verified before anything loads it. Pickles are refused: loading one runs code.
 
 The format lives in ``serving/`` because the server reads it and may import nothing from the pipeline;
-the pipeline writes it through ``tasks.model_repository``, which re-exports this module.
+the pipeline writes it through this module too (``serving/`` may not import ``tasks/``; the reverse is allowed).
 """
 
 from __future__ import annotations

@@ -1,5 +1,7 @@
-"""Assembling and running the server: the repository, the data plane, gRPC (V2 + health + admin) and the
-HTTP side port; graceful shutdown on SIGTERM (readiness drops first, in-flight requests finish)."""
+"""Assembling and running the server process: the repository, telemetry, the data plane, the gRPC port
+(serving/grpc_api/server.py) and the HTTP side port (serving/rest_api/side_port.py), models loaded in a
+thread; ``main()`` runs it until SIGTERM/SIGINT, then shuts down gracefully (readiness drops first,
+in-flight requests finish)."""
 
 from __future__ import annotations
 
@@ -7,31 +9,20 @@ import argparse
 import logging
 import signal
 import threading
-from concurrent import futures
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import grpc
+from typing import TYPE_CHECKING, Any
 
 from serving.dataplane import DataPlane
 from serving.settings import ServingSettings
 
+if TYPE_CHECKING:
+    from serving.dataplane import Telemetry
+    from serving.observability.metrics import ServerMetrics
+    from serving.observability.pipeline import TelemetryPipeline
+
 log = logging.getLogger(__name__)
-
-
-def grpc_options(settings: ServingSettings) -> list[tuple[str, Any]]:
-    return [
-        ("grpc.max_send_message_length", settings.max_message_bytes),
-        ("grpc.max_receive_message_length", settings.max_message_bytes),
-        ("grpc.keepalive_time_ms", settings.keepalive_time_ms),
-        ("grpc.keepalive_timeout_ms", settings.keepalive_timeout_ms),
-        ("grpc.keepalive_permit_without_calls", 1),
-        ("grpc.http2.min_ping_interval_without_data_ms", settings.min_client_ping_interval_ms),
-        ("grpc.http2.max_pings_without_data", 0),
-        # With grpc's default (1) a stale server silently shared the port (FACTS.md): fail loudly instead.
-        ("grpc.so_reuseport", 0),
-    ]
 
 
 @dataclass
@@ -76,19 +67,54 @@ def start(settings: ServingSettings, *, tracer_provider: Any = None) -> RunningS
     """Start both ports at once (liveness answers during loading), then load every model in a thread.
 
     ``tracer_provider`` replaces the one the settings describe (tests: an in-memory exporter)."""
-    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-
-    from serving.http import SidePort
-    from serving.metrics import ServerMetrics
-    from serving.observability.pipeline import TelemetryPipeline
-    from serving.proto import admin_pb2_grpc, grpc_service_pb2_grpc
-    from serving.repository import ModelRepository
-    from serving.rpc_errors import guard_servicer
-    from serving.servicer import ADMIN_METHODS, INFERENCE_METHODS, AdminServicer, InferenceServicer
+    from serving.grpc_api.server import bind_grpc
+    from serving.observability.logs import RequestLogger
+    from serving.observability.metrics import ServerMetrics
+    from serving.observability.tracing import setup_tracing
+    from serving.rest_api.side_port import SidePort
 
     if not settings.repository:
         raise SystemExit("no model repository: pass --repo PATH|s3://...|models:/name@alias")
     metrics = ServerMetrics()
+    scan = _scanner(settings)
+
+    def on_fallback(model: str, version: str, level: str, index: int, reason: str) -> None:
+        metrics.set_level(model, version, level, index)
+
+    provider = tracer_provider or setup_tracing(
+        settings.tracing_exporter, settings.tracing_endpoint, settings.server_name
+    )
+    pipeline, telemetry = _telemetry(settings, metrics, provider)
+    plane = DataPlane(settings, scan, on_fallback=on_fallback, telemetry=telemetry, metrics=metrics)
+    token = settings.admin_token.get_secret_value() if settings.admin_token else None
+    request_log = RequestLogger(settings.log_sample_rate) if settings.telemetry else None
+    rpc = bind_grpc(settings, plane, metrics, admin_token=token, version=_version(), request_log=request_log)
+    side = SidePort(
+        plane,
+        metrics,
+        host=settings.host,
+        port=settings.http_port,
+        admin_token=token,
+        server_name=settings.server_name,
+        server_version=_version(),
+    )
+    rpc.server.start()
+    side.start()
+    log.info("gRPC on %s:%d, HTTP on %s:%d", settings.host, rpc.port, settings.host, side.port)
+    loader = threading.Thread(
+        target=_load, args=(plane, metrics, rpc.health, settings.repository), name="model-loader", daemon=True
+    )
+    loader.start()
+    return RunningServer(settings, plane, rpc.server, side, rpc.health, rpc.port, side.port, loader, provider, pipeline)
+
+
+Scan = Callable[[], tuple[list[tuple[str, str, Path, Any]], list[tuple[str, str]]]]
+
+
+def _scanner(settings: ServingSettings) -> Scan:
+    """The data plane's ``scan``: copy the repository in, then list its verified and rejected versions."""
+    from serving.repository import ModelRepository
+
     repository = ModelRepository(
         settings.repository,
         cache_dir=settings.cache_dir,
@@ -101,83 +127,45 @@ def start(settings: ServingSettings, *, tracer_provider: Any = None) -> RunningS
         found = repository.versions()
         return [(v.model, v.version, v.path, v.config) for v in found], list(repository.rejected)
 
-    def on_fallback(model: str, version: str, level: str, index: int, reason: str) -> None:
-        metrics.set_level(model, version, level, index)
+    return scan
 
+
+def _telemetry(
+    settings: ServingSettings, metrics: ServerMetrics, provider: Any
+) -> tuple[TelemetryPipeline | None, Telemetry | None]:
+    """The telemetry thread and what the data plane reports to; (None, None) with telemetry off."""
     from serving.dataplane import Telemetry
-    from serving.observability.logs import RequestLogger
-    from serving.observability.tracing import RequestTracing, setup_tracing
+    from serving.observability.pipeline import TelemetryPipeline
+    from serving.observability.tracing import RequestTracing
 
-    provider = tracer_provider or setup_tracing(
-        settings.tracing_exporter, settings.tracing_endpoint, settings.server_name
+    if not settings.telemetry:
+        return None, None
+    # The monitors' batches and the request-log lines run on one thread, off every request's path.
+    pipeline = TelemetryPipeline(
+        settings.telemetry_max_pending, settings.telemetry_max_pending_mib * 2**20, on_drop=metrics.dropped
     )
-    pipeline = None
-    telemetry = None
-    if settings.telemetry:
-        # The monitors' batches and the request-log lines run on one thread, off every request's path.
-        pipeline = TelemetryPipeline(
-            settings.telemetry_max_pending, settings.telemetry_max_pending_mib * 2**20, on_drop=metrics.dropped
-        )
-        tracing = RequestTracing(provider)
-        # No exporter: no spans at all (the log's trace_id then comes from the caller's traceparent).
-        telemetry = Telemetry(metrics, tracing if tracing.recording else None, pipeline)
-    plane = DataPlane(settings, scan, on_fallback=on_fallback, telemetry=telemetry, metrics=metrics)
-    server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=settings.grpc_workers, thread_name_prefix="grpc"),
-        options=grpc_options(settings),
-    )
-    token = settings.admin_token.get_secret_value() if settings.admin_token else None
-    inference = InferenceServicer(
-        plane,
-        metrics,
-        name=settings.server_name,
-        version=_version(),
-        max_elements=settings.max_elements,
-        request_log=RequestLogger(settings.log_sample_rate) if settings.telemetry else None,
-    )
-    guard_servicer(inference, "inference.GRPCInferenceService", INFERENCE_METHODS)
-    grpc_service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(inference, server)  # type: ignore[no-untyped-call]
-    admin = guard_servicer(AdminServicer(plane, token), "sluicegate.admin.TrafficAdmin", ADMIN_METHODS)
-    admin_pb2_grpc.add_TrafficAdminServicer_to_server(admin, server)  # type: ignore[no-untyped-call]
-    health_servicer = health.HealthServicer()
-    health_servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    grpc_port = server.add_insecure_port(f"{settings.host}:{settings.grpc_port}")
-    if grpc_port == 0:
-        raise SystemExit(f"cannot bind gRPC to {settings.host}:{settings.grpc_port} (in use?)")
-    side = SidePort(
-        plane,
-        metrics,
-        host=settings.host,
-        port=settings.http_port,
-        admin_token=token,
-        server_name=settings.server_name,
-        server_version=_version(),
-    )
-    server.start()
-    side.start()
-    log.info("gRPC on %s:%d, HTTP on %s:%d", settings.host, grpc_port, settings.host, side.port)
+    tracing = RequestTracing(provider)
+    # No exporter: no spans at all (the log's trace_id then comes from the caller's traceparent).
+    return pipeline, Telemetry(metrics, tracing if tracing.recording else None, pipeline)
 
-    def load() -> None:
-        try:
-            plane.load_all()
-        except Exception:
-            log.exception("loading the repository %s failed", settings.repository)
-        ready = plane.ready()
-        metrics.ready.set(1 if ready else 0)
-        for model, version, _ in plane.stats():
-            level, index, providers = plane.runtime_of(model, version)
-            metrics.set_level(model, version, level, index)
-            log.info("%s/%s: runtime %s (level %d), providers %s", model, version, level, index, ", ".join(providers))
-        if ready:
-            health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
-        log.info("ready: %s", ready)
 
-    loader = threading.Thread(target=load, name="model-loader", daemon=True)
-    loader.start()
-    return RunningServer(
-        settings, plane, server, side, health_servicer, grpc_port, side.port, loader, provider, pipeline
-    )
+def _load(plane: DataPlane, metrics: ServerMetrics, health_servicer: Any, repository: str) -> None:
+    """The model-loader thread: load every model, then report readiness (metrics, log, gRPC health)."""
+    from grpc_health.v1 import health_pb2
+
+    try:
+        plane.load_all()
+    except Exception:
+        log.exception("loading the repository %s failed", repository)
+    ready = plane.ready()
+    metrics.ready.set(1 if ready else 0)
+    for model, version, _ in plane.stats():
+        level, index, providers = plane.runtime_of(model, version)
+        metrics.set_level(model, version, level, index)
+        log.info("%s/%s: runtime %s (level %d), providers %s", model, version, level, index, ", ".join(providers))
+    if ready:
+        health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    log.info("ready: %s", ready)
 
 
 def _version() -> str:

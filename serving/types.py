@@ -1,7 +1,7 @@
 """Protocol-agnostic request and response types of the data plane (KServe V2 / Open Inference Protocol).
 
-The gRPC servicer and the HTTP side port convert to and from these (serving/converters.py and
-serving/converters_json.py); the data plane, batching and runtimes see only these. Tensor data is always
+The gRPC servicer and the HTTP side port convert to and from these (serving/grpc_api/converters.py and
+serving/rest_api/converters.py); the data plane, batching and runtimes see only these. Tensor data is always
 a numpy array here, whatever way the client sent it (typed ``contents`` or ``raw_input_contents``).
 """
 

@@ -39,7 +39,10 @@ class CodeVersion:
 
 
 @dataclass(frozen=True)
-class ModelVersion:
+class ModelVersionId:
+    """The name of a model version, ``vX.Y.Z-<commit7>-<data7>`` (the metadata store's row for one is
+    ``sluicegate.metadata.models.ModelVersion``)."""
+
     major: int
     minor: int
     patch: int
@@ -50,7 +53,7 @@ class ModelVersion:
         return f"v{self.major}.{self.minor}.{self.patch}-{self.commit7}-{self.data7}"
 
     @classmethod
-    def parse(cls, text: str) -> ModelVersion:
+    def parse(cls, text: str) -> ModelVersionId:
         match = _MODEL_VERSION.match(text)
         if match is None:
             raise ConfigError(
@@ -119,9 +122,18 @@ def code_version(repo: Path | None = None, baked: str | None = None) -> CodeVers
     return CodeVersion(commit=commit, dirty=bool(status.strip()))
 
 
-def model_version(semver: tuple[int, int, int], code: CodeVersion, data: str) -> ModelVersion:
+def parse_semver(text: str, field: str = "model.semver") -> tuple[int, int, int]:
+    """``MAJOR.MINOR.PATCH`` as three integers; the error names the setting and the form it wants."""
+    parts = text.split(".")
+    if len(parts) != 3 or not all(part.isdigit() for part in parts):
+        raise ConfigError(f"{field}: {text!r} is not MAJOR.MINOR.PATCH (three whole numbers, e.g. 1.0.0)")
+    major, minor, patch = (int(part) for part in parts)
+    return major, minor, patch
+
+
+def model_version(semver: tuple[int, int, int], code: CodeVersion, data: str) -> ModelVersionId:
     commit7 = code.short if code.commit != "unknown" else "0000000"
-    return ModelVersion(*semver, commit7=commit7, data7=data[:SHORT])
+    return ModelVersionId(*semver, commit7=commit7, data7=data[:SHORT])
 
 
 def _dist_version(name: str) -> str | None:

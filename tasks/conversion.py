@@ -15,7 +15,7 @@ import time
 import uuid
 import warnings
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -109,22 +109,7 @@ def export_onnx(
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(f".{path.name}.{uuid.uuid4().hex}.partial")
     try:
-        with _on_cpu_in_eval(model), torch.no_grad(), warnings.catch_warnings():
-            # The exporter's own FutureWarnings (pytree internals) are not ours to act on.
-            warnings.simplefilter("ignore", FutureWarning)
-            program = torch.onnx.export(
-                model,
-                (x,),
-                dynamo=True,
-                opset_version=opset,
-                input_names=[input_name],
-                output_names=[output_name],
-                dynamic_shapes=({0: batch},),
-                external_data=False,
-                verbose=False,
-            )
-        if program is None:  # only the legacy exporter returns None
-            raise ConversionError("torch.onnx.export returned no program: is the dynamo exporter available?")
+        program = _dynamo_export(model, x, batch, opset=opset, input_name=input_name, output_name=output_name)
         program.save(str(partial), external_data=False)
         _check_single_file(partial, input_name)
         onnx.checker.check_model(str(partial), full_check=True)
@@ -136,6 +121,35 @@ def export_onnx(
     finally:
         partial.unlink(missing_ok=True)
     return sha256_file(path)
+
+
+def _dynamo_export(
+    model: torch.nn.Module,
+    x: torch.Tensor,
+    batch: Any,
+    *,
+    opset: int,
+    input_name: str,
+    output_name: str,
+) -> torch.onnx.ONNXProgram:
+    """``torch.onnx.export(dynamo=True)`` of ``model`` on the CPU in eval mode, axis 0 of ``x`` dynamic."""
+    with _on_cpu_in_eval(model), torch.no_grad(), warnings.catch_warnings():
+        # The exporter's own FutureWarnings (pytree internals) are not ours to act on.
+        warnings.simplefilter("ignore", FutureWarning)
+        program = torch.onnx.export(
+            model,
+            (x,),
+            dynamo=True,
+            opset_version=opset,
+            input_names=[input_name],
+            output_names=[output_name],
+            dynamic_shapes=({0: batch},),
+            external_data=False,
+            verbose=False,
+        )
+    if program is None:  # only the legacy exporter returns None
+        raise ConversionError("torch.onnx.export returned no program: is the dynamo exporter available?")
+    return program
 
 
 def _check_single_file(path: Path, input_name: str) -> None:
@@ -367,22 +381,36 @@ def build_tensorrt_engine(
         return EngineOutcome(False, None, error, False, precision, key, None)
     _copy_atomic(cached, out_path)
     reason = f"engine {'reused from cache' if cache_hit else 'built'} ({precision}, profile {profile})"
+    built = EngineOutcome(True, out_path, reason, cache_hit, precision, key, None)
     if parity_batch is None or reference_logits is None:
-        return EngineOutcome(True, out_path, reason, cache_hit, precision, key, None)
-
+        return built
     bound = fp16_atol if precision == "fp16" else atol
-    logits = run_engine(out_path.read_bytes(), _as_float32(parity_batch), max_batch=profile[2])
+    return _with_parity(built, out_path, parity_batch, reference_logits, bound=bound, max_batch=profile[2])
+
+
+def _with_parity(
+    built: EngineOutcome,
+    plan_path: Path,
+    parity_batch: np.ndarray,
+    reference_logits: np.ndarray,
+    *,
+    bound: float,
+    max_batch: int,
+) -> EngineOutcome:
+    """``built`` with the engine at ``plan_path`` run on ``parity_batch`` and compared to ``reference_logits``:
+    the max abs difference recorded, and ``reason`` starting "parity" when it is above ``bound``."""
+    logits = run_engine(plan_path.read_bytes(), _as_float32(parity_batch), max_batch=max_batch)
     reference = np.asarray(reference_logits, dtype=np.float32)
     if logits.shape != reference.shape:
         why = f"parity: engine gave shape {logits.shape}, reference {reference.shape}"
-        return EngineOutcome(True, out_path, why, cache_hit, precision, key, float("nan"))
+        return replace(built, reason=why, parity_max_abs_diff=float("nan"))
     diff = float(np.abs(logits.astype(np.float64) - reference).max(initial=0.0))
     if not np.isfinite(logits).all():
         diff = float("nan")
     if not diff <= bound:
-        why = f"parity max abs diff {diff:.4g} exceeds the {precision} bound {bound:g}"
-        return EngineOutcome(True, out_path, why, cache_hit, precision, key, diff)
-    return EngineOutcome(True, out_path, f"{reason}; parity {diff:.3g} <= {bound:g}", cache_hit, precision, key, diff)
+        why = f"parity max abs diff {diff:.4g} exceeds the {built.precision} bound {bound:g}"
+        return replace(built, reason=why, parity_max_abs_diff=diff)
+    return replace(built, reason=f"{built.reason}; parity {diff:.3g} <= {bound:g}", parity_max_abs_diff=diff)
 
 
 def _check_profile(profile: tuple[int, int, int]) -> None:

@@ -99,16 +99,19 @@ def gate_frame(manifest: pd.DataFrame, stats: Sequence[ImageStats], reference: L
 def _expectations(
     frame: pd.DataFrame, reference: LabelReference, settings: DataGateSettings
 ) -> list[tuple[str, Any, str]]:
-    """(check name, GX expectation, threshold text) in report order.
+    """(check name, GX expectation, threshold text) in report order: the manifest's, then the images'.
 
     Each check's observed value is the fraction of offending rows (the KL divergence for the label
     distribution), and the threshold text is written about that same quantity.
     """
+    return _manifest_expectations(reference, settings) + _image_expectations(frame, settings)
+
+
+def _manifest_expectations(reference: LabelReference, settings: DataGateSettings) -> list[tuple[str, Any, str]]:
+    """Labels and splits: present, in their sets, and labels distributed like the reference."""
     import great_expectations.expectations as gxe
 
     present = 1.0 - settings.max_missing_fraction
-    sizes = frame["size"].dropna()
-    common = sizes.mode().iloc[0] if not sizes.empty else "none"
     out: list[tuple[str, Any, str]] = [
         (
             "label present",
@@ -145,7 +148,16 @@ def _expectations(
                 f"KL <= {settings.max_label_kl:g}",
             )
         )
-    out += [
+    return out
+
+
+def _image_expectations(frame: pd.DataFrame, settings: DataGateSettings) -> list[tuple[str, Any, str]]:
+    """The images: they decode, share one size, do not leak from train into test, match their sha256."""
+    import great_expectations.expectations as gxe
+
+    sizes = frame["size"].dropna()
+    common = sizes.mode().iloc[0] if not sizes.empty else "none"
+    out: list[tuple[str, Any, str]] = [
         (
             "images decode",
             gxe.ExpectColumnValuesToBeInSet(column="decodable", value_set=[True]),

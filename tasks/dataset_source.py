@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from sluicegate.errors import DatasetError, StorageError
-from tasks.datasets import MANIFEST
+from tasks.datasets import MANIFEST, ResolvedDataset
 
 if TYPE_CHECKING:
     from mypy_boto3_s3 import S3Client
@@ -101,6 +101,36 @@ class S3Source:
 
     def read(self, path: str) -> bytes:
         return self._get(self.prefix + path, (self._versions.get(path) or {}).get("version_id"))
+
+
+def pinned_source(s3: S3Client, dataset: ResolvedDataset) -> S3Source:
+    """What every pipeline stage reads a resolved version through: each read pinned to the object version
+    the resolve step recorded, so a file overwritten mid-run cannot change what a later stage sees."""
+    return S3Source(
+        s3, dataset.bucket, dataset.prefix, manifest_version=dataset.manifest_version_id, versions=dataset.objects
+    )
+
+
+def open_location(location: str, s3: Callable[[], S3Client]) -> DatasetSource:
+    """A dataset a user names on the command line: a folder, or ``s3://bucket/prefix/`` (latest versions).
+
+    Args:
+        location: the folder or URI.
+        s3: makes the S3 client, called only for an ``s3://`` location.
+
+    Raises:
+        DatasetError: neither an existing folder nor an ``s3://`` URI.
+    """
+    if location.startswith("s3://"):
+        bucket, prefix = parse_s3_uri(location)
+        return S3Source(s3(), bucket, prefix)
+    path = Path(location)
+    if not path.is_dir():
+        raise DatasetError(
+            f"LOCATION: {location} is neither a folder nor an s3://bucket/prefix/ URI; name a dataset folder "
+            "(with manifest.csv) or a pushed version's prefix"
+        )
+    return LocalSource(path)
 
 
 def parse_s3_uri(uri: str) -> tuple[str, str]:

@@ -124,7 +124,7 @@ def load_test_split(
     Raises:
         DatasetError: the split has no labelled rows or none of its images decode.
     """
-    from tasks.training import decode_or_none, labelled_rows
+    from tasks.training_data import decode_or_none, labelled_rows
 
     rows = labelled_rows(manifest, "test")
     if not rows:
@@ -230,33 +230,10 @@ def evaluate(
     inputs = {m.role: preprocess(list(images), m.spec) for m in models}
     try:
         latency = measure_latency({m.role: (runtimes[m.role], m.input_name, inputs[m.role]) for m in models}, options)
-        results = []
-        for model in models:
-            runtime = runtimes[model.role]
-            logits = _predict(runtime, model, inputs[model.role], options.predict_batch)
-            probs = softmax(logits)
-            predicted = [model.labels[i] for i in probs.argmax(axis=1)]
-            correct = np.asarray([p == t for p, t in zip(predicted, labels, strict=True)])
-            accuracy, matrix, per_class = classification_metrics(labels, predicted, axis)
-            ece, bins = calibration(probs.max(axis=1), correct, options.calibration_bins)
-            results.append(
-                Evaluation(
-                    role=model.role,
-                    model_version=model.model_version,
-                    runtime=runtime.name,
-                    providers=runtime.providers,
-                    model_labels=model.labels,
-                    samples=len(labels),
-                    accuracy=accuracy,
-                    ece=ece,
-                    axis=axis,
-                    confusion=matrix,
-                    per_class=per_class,
-                    calibration=tuple(bins),
-                    latency=latency[model.role],
-                    unknown_label_samples=sum(1 for t in labels if t not in model.labels),
-                )
-            )
+        results = [
+            _score(model, runtimes[model.role], inputs[model.role], labels, axis, latency[model.role], options)
+            for model in models
+        ]
         subjects = {m.role: (runtimes[m.role], m.input_name, inputs[m.role]) for m in models}
         for attempt in range(2, options.latency_retries + 2):
             if remeasure is None or not remeasure(results):
@@ -267,6 +244,40 @@ def evaluate(
     finally:
         for runtime in runtimes.values():
             runtime.close()
+
+
+def _score(
+    model: ModelUnderTest,
+    runtime: Any,
+    x: Float32Array,
+    labels: Sequence[str],
+    axis: tuple[str, ...],
+    latency: tuple[Latency, ...],
+    options: EvalOptions,
+) -> Evaluation:
+    """One model's quality on the preprocessed images ``x`` (true ``labels``), with its measured latency."""
+    logits = _predict(runtime, model, x, options.predict_batch)
+    probs = softmax(logits)
+    predicted = [model.labels[i] for i in probs.argmax(axis=1)]
+    correct = np.asarray([p == t for p, t in zip(predicted, labels, strict=True)])
+    accuracy, matrix, per_class = classification_metrics(labels, predicted, axis)
+    ece, bins = calibration(probs.max(axis=1), correct, options.calibration_bins)
+    return Evaluation(
+        role=model.role,
+        model_version=model.model_version,
+        runtime=runtime.name,
+        providers=runtime.providers,
+        model_labels=model.labels,
+        samples=len(labels),
+        accuracy=accuracy,
+        ece=ece,
+        axis=axis,
+        confusion=matrix,
+        per_class=per_class,
+        calibration=tuple(bins),
+        latency=latency,
+        unknown_label_samples=sum(1 for t in labels if t not in model.labels),
+    )
 
 
 def _predict(runtime: Any, model: ModelUnderTest, x: Float32Array, batch: int) -> Float32Array:

@@ -14,8 +14,7 @@ from sluicegate.errors import RegistryError
 from tasks import tracking
 
 if TYPE_CHECKING:
-    from sluicegate.metadata import MetadataStore
-    from sluicegate.metadata.models import AliasChange
+    from sluicegate.metadata import AliasChange, MetadataStore
 
 TAG_MODEL_VERSION = "sluicegate.model_version"
 TAG_EVAL_GATE = "sluicegate.eval_gate"
@@ -199,7 +198,7 @@ def move_alias(
     Returns:
         The recorded change, or None when nothing moved.
     """
-    from sluicegate.metadata.aliases import record_alias_change
+    from sluicegate.metadata.model_versions import record_alias_change
 
     if not actor.strip() or not reason.strip():
         raise RegistryError("an alias move needs an actor and a reason (who moved it, and why)")
@@ -222,8 +221,7 @@ def move_alias(
                 reason=reason,
                 pipeline_run_id=pipeline_run_id,
             )
-            session.expunge(row)
-            return row
+        return row  # loaded and detached: the session commits and closes, rows do not expire
     except BaseException:
         if before is None:
             client.delete_registered_model_alias(target.name, alias)
@@ -241,7 +239,7 @@ def rollback_target(tracking_uri: str, store: MetadataStore, model_name: str, al
         RegistryError: the alias is unset, its current holder was not moved by sluicegate (no record to
             undo), or there was no earlier holder.
     """
-    from sluicegate.metadata.aliases import alias_history
+    from sluicegate.metadata.model_versions import alias_history
 
     current = alias_holder(tracking_uri, model_name, alias)
     if current is None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from sluicegate.ids import CodeVersion
 from tasks.datasets import ResolvedDataset
@@ -18,6 +19,15 @@ def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> 
     return "\n".join(lines)
 
 
+@dataclass(frozen=True)
+class StageRecord:
+    """One line of a pipeline run's summary: a stage, how it ended, and the figure that says why."""
+
+    name: str
+    outcome: str  # "passed", "FAILED", "found", "recorded", a canary status ...
+    detail: str
+
+
 def mlflow_run_url(tracking_uri: str, experiment_id: str, run_id: str) -> str:
     return f"{tracking_uri.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}"
 
@@ -29,7 +39,7 @@ def pipeline_summary(
     pipeline_run_id: str,
     event_id: str | None,
     mlflow_url: str | None,
-    stages: Sequence[tuple[str, str, str]],
+    stages: Sequence[StageRecord],
 ) -> str:
     """The pipeline run's summary: what data, what code, which stages ran with what outcome."""
     versions = markdown_table(
@@ -48,7 +58,7 @@ def pipeline_summary(
             ["MLflow run", f"[open]({mlflow_url})" if mlflow_url else "-"],
         ],
     )
-    stage_table = markdown_table(["stage", "outcome", "detail"], stages)
+    stage_table = markdown_table(["stage", "outcome", "detail"], [[s.name, s.outcome, s.detail] for s in stages])
     return f"# pipeline/{dataset.name}@{dataset.data7}\n\n{versions}\n\n## Stages\n\n{stage_table}\n"
 
 

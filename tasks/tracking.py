@@ -1,4 +1,5 @@
-"""Lineage in MLflow: one run per pipeline run, tagged with data and code versions, the dataset as input.
+"""MLflow run tracking: one run per pipeline run, tagged with data and code versions, the dataset as
+input; gate reports and artifacts logged to it. (Walking lineage afterwards is ``tasks.lineage``.)
 
 Uses an explicit ``MlflowClient`` (no fluent global state), so several tracking servers can be used
 from one process (tests, the CLI) without cross-talk.

@@ -104,6 +104,18 @@ def train_gate(
         history means.
     """
     curve = [float(v) for v in result_curve]
+    checks = _stability_checks(curve, val_curve, settings)
+    metrics = gate_metrics(curve, peak_memory_bytes)
+    recent = list(history)[-settings.history_runs :]
+    if not recent:
+        checks.append(Check("history", "first run", "-", True, detail="no earlier runs; this run starts the history"))
+        return GateVerdict(GATE, tuple(checks), {**metrics, "history_runs": 0})
+    history_checks, history_metrics = _history_checks(curve, peak_memory_bytes, recent, settings)
+    return GateVerdict(GATE, tuple(checks + history_checks), {**metrics, **history_metrics})
+
+
+def _stability_checks(curve: list[float], val_curve: Sequence[float], settings: TrainGateSettings) -> list[Check]:
+    """The checks of the run alone: "finite loss" (both curves) and "loss smoothness" (training curve)."""
     bad = sorted(
         {i + 1 for i, v in enumerate(curve) if not math.isfinite(v)}
         | {i + 1 for i, v in enumerate(val_curve) if not math.isfinite(float(v))}
@@ -121,12 +133,14 @@ def train_gate(
     checks.append(
         Check("loss smoothness", round(rough, 6), f"<= {settings.max_roughness:g}", rough <= settings.max_roughness)
     )
-    metrics = gate_metrics(curve, peak_memory_bytes)
-    recent = list(history)[-settings.history_runs :]
-    if not recent:
-        checks.append(Check("history", "first run", "-", True, detail="no earlier runs; this run starts the history"))
-        return GateVerdict(GATE, tuple(checks), {**metrics, "history_runs": 0})
+    return checks
 
+
+def _history_checks(
+    curve: list[float], peak_memory_bytes: int, recent: list[HistoryRun], settings: TrainGateSettings
+) -> tuple[list[Check], dict[str, Any]]:
+    """The checks against earlier runs, "final loss vs history" and "peak memory vs history", each against
+    the mean of ``recent`` (not empty); and the history metrics."""
     mean_loss = sum(run.final_loss for run in recent) / len(recent)
     mean_peak = sum(run.peak_memory_bytes for run in recent) / len(recent)
     final = curve[-1] if curve else math.nan
@@ -134,7 +148,7 @@ def train_gate(
     # learned more; a larger or cleaner dataset version lowers the final loss well past any 5% band.
     loss_change = _increase(final, mean_loss)
     memory_change = _increase(float(peak_memory_bytes), mean_peak)
-    checks += [
+    checks = [
         Check(
             "final loss vs history",
             _shown(loss_change),
@@ -151,7 +165,7 @@ def train_gate(
         ),
     ]
     history_metrics = {"history_runs": len(recent), "history_final_loss": mean_loss, "history_peak_memory": mean_peak}
-    return GateVerdict(GATE, tuple(checks), {**metrics, **history_metrics})
+    return checks, history_metrics
 
 
 def _increase(value: float, reference: float) -> float:

@@ -1,8 +1,9 @@
-"""Gate 3's training run: a dataset split loaded through the shared preprocessing, a small CNN trained on it.
+"""Gate 3's training run: a small CNN trained on the train split, scored on val each epoch, and its checkpoints.
 
-The inputs are made by ``serving.preprocessing.preprocess``, the code the model server runs, so the model
-is trained on exactly the tensors it will be served. Augmentation only flips and rotates those tensors by
-multiples of 90 degrees: per-channel normalisation commutes with both, so the contract holds.
+The inputs come from ``tasks.training_data.load_split``, made by ``serving.preprocessing.preprocess``, the
+code the model server runs, so the model is trained on exactly the tensors it will be served. Augmentation
+only flips and rotates those tensors by multiples of 90 degrees: per-channel normalisation commutes with
+both, so the contract holds.
 
 On the CPU a run is deterministic: the same data, settings and seed give bit-identical weights (global RNG
 state and the deterministic-algorithms flag are restored afterwards). Checkpoints are safetensors, never
@@ -12,9 +13,7 @@ pickle, so loading one cannot run code.
 from __future__ import annotations
 
 import contextlib
-import csv
 import hashlib
-import io
 import logging
 import math
 import time
@@ -27,17 +26,12 @@ import numpy.typing as npt
 import torch
 from torch import nn
 
-from serving.preprocessing import PreprocessSpec, preprocess
-from sluicegate.errors import ConfigError, DatasetError
+from sluicegate.errors import ConfigError
 from sluicegate.settings import TrainingSettings
-from tasks.dataset_source import DatasetSource, map_objects
-from tasks.image_stats import decode_rgb
 from tasks.model_zoo import build_model
 
 log = logging.getLogger(__name__)
 
-# Decoded images preprocessed at once: bounds the uint8 images held besides the float32 output.
-PREPROCESS_CHUNK = 256
 # Validation batches carry no activations for backward, so they can be larger than training ones.
 EVAL_BATCH = 256
 
@@ -69,94 +63,6 @@ class TrainingResult:
     parameters: int
     stopped_early: bool  # patience ran out or the loss became non-finite
     train_loss_curve: tuple[float, ...]  # per-epoch mean training loss: what the train gate reads
-
-
-def load_split(
-    source: DatasetSource,
-    manifest: bytes,
-    split: str,
-    spec: PreprocessSpec,
-    labels: Sequence[str] | None,
-    *,
-    concurrency: int = 16,
-) -> tuple[npt.NDArray[np.float32], npt.NDArray[np.int64], tuple[str, ...]]:
-    """The labelled rows of one split, decoded and preprocessed with ``spec``.
-
-    Args:
-        source: where the images are.
-        manifest: the dataset version's manifest.csv bytes.
-        split: "train", "val" or "test".
-        spec: the candidate model's preprocessing.
-        labels: class index -> label (the training split's labels when loading val/test); None: the
-            sorted labels of this split.
-        concurrency: objects read and decoded in parallel.
-
-    Returns:
-        ``(X, y, labels)``: float32 ``(N, 3, H, W)``, int64 ``(N,)`` and the labels ``y`` indexes. Rows
-        with an empty label, and images that are missing or do not decode, are skipped (the data gate
-        reports those).
-
-    Raises:
-        DatasetError: the manifest cannot be read, the split has no usable rows, or a row's label is not
-            in ``labels`` (a model cannot be scored on a class it does not have).
-    """
-    rows = labelled_rows(manifest, split)
-    if not rows:
-        raise DatasetError(f"manifest.csv has no rows with split {split!r} and a label; nothing to load")
-    names = tuple(sorted({label for _, label in rows})) if labels is None else tuple(labels)
-    index = {label: i for i, label in enumerate(names)}
-    unknown = sorted({label for _, label in rows} - set(index))
-    if unknown:
-        raise DatasetError(
-            f"split {split!r} has label(s) {unknown} that are not among the model's labels {list(names)}; "
-            "relabel those rows or train on a dataset that has them"
-        )
-    label_of = dict(rows)
-    chunks: list[npt.NDArray[np.float32]] = []
-    targets: list[int] = []
-    pending: list[npt.NDArray[np.uint8]] = []
-    skipped = 0
-    for path, outcome in map_objects(source, [path for path, _ in rows], decode_or_none, concurrency):
-        if not isinstance(outcome, np.ndarray):
-            skipped += 1
-            continue
-        pending.append(outcome)
-        targets.append(index[label_of[path]])
-        if len(pending) == PREPROCESS_CHUNK:
-            chunks.append(preprocess(pending, spec))
-            pending = []
-    if pending:
-        chunks.append(preprocess(pending, spec))
-    if skipped:
-        log.warning("split %s: skipped %d of %d images that are missing or undecodable", split, skipped, len(rows))
-    if not chunks:
-        raise DatasetError(f"split {split!r}: none of its {len(rows)} images could be read and decoded")
-    return np.concatenate(chunks), np.asarray(targets, dtype=np.int64), names
-
-
-def labelled_rows(manifest: bytes, split: str) -> list[tuple[str, str]]:
-    """(path, label) of the manifest rows of ``split`` that have a label."""
-    try:
-        text = manifest.decode("utf-8-sig")
-    except UnicodeDecodeError as exc:
-        raise DatasetError(f"manifest.csv is not UTF-8 text: {exc}") from exc
-    reader = csv.DictReader(io.StringIO(text), skipinitialspace=True)
-    if not {"path", "label", "split"} <= {name.strip() for name in reader.fieldnames or []}:
-        raise DatasetError("manifest.csv lacks a column; its header must be 'path,label,split'")
-    rows = []
-    for raw in reader:
-        row = {key.strip(): (value or "").strip() for key, value in raw.items() if key is not None}
-        if row["split"] == split and row["label"] and row["path"]:
-            rows.append((row["path"], row["label"]))
-    return rows
-
-
-def decode_or_none(_: str, data: bytes) -> npt.NDArray[np.uint8] | None:
-    """RGB uint8 pixels, or None for bytes that are not a decodable image (the data gate reports those)."""
-    try:
-        return decode_rgb(data)
-    except (OSError, ValueError, SyntaxError):
-        return None
 
 
 def train(

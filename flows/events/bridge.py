@@ -15,7 +15,7 @@ from flows.events.records import S3ObjectEvent, parse_message
 from flows.events.sink import EventSink
 from sluicegate.errors import EventError
 from sluicegate.metadata import MetadataStore
-from sluicegate.metadata import repository as repo
+from sluicegate.metadata.events import claim_s3_event, mark_s3_event_emitted, record_dead_letter
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +62,7 @@ class Bridge:
     def _forward(self, record: S3ObjectEvent, source: str) -> bool:
         """Emit one record unless it was emitted before; True when emitted now."""
         with self._store.session() as session:
-            row, _ = repo.claim_s3_event(
+            row, _ = claim_s3_event(
                 session,
                 dedupe_key=record.dedupe_key,
                 event_id=str(record.event_id),
@@ -83,7 +83,7 @@ class Bridge:
         # which Prefect's trigger service deduplicates.
         self._sink.emit([record])
         with self._store.session() as session:
-            repo.mark_s3_event_emitted(session, record.dedupe_key, datetime.now(UTC))
+            mark_s3_event_emitted(session, record.dedupe_key, datetime.now(UTC))
         log.info("emitted %s (etag %s, event %s) from %s", record.uri, record.etag, record.event_id, source)
         return True
 
@@ -91,7 +91,7 @@ class Bridge:
         log.error("malformed %s message set aside in dead letters: %s", source, error)
         try:
             with self._store.session() as session:
-                repo.record_dead_letter(session, source=source, body=body, error=error)
+                record_dead_letter(session, source=source, body=body, error=error)
         except Exception as exc:  # nowhere to set it aside: keep the message for redelivery
             log.warning("could not record a dead letter, will retry: %s", exc)
             return Handled(Outcome.RETRY, error=str(exc))

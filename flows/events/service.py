@@ -27,12 +27,22 @@ def build_bridge(settings: Settings, store: MetadataStore) -> tuple[Bridge, Pref
 
 
 def serve(settings: Settings, host: str | None = None) -> None:
-    """Run until interrupted (SIGINT/SIGTERM stop the HTTP server, then the pollers)."""
+    """Run until interrupted (SIGINT/SIGTERM stop the HTTP server, then the pollers).
+
+    The store stays open for the process's lifetime; its schema is checked once, on the way in.
+    """
+    with MetadataStore.checked(settings.metadata_url) as store:
+        bridge, sink = build_bridge(settings, store)
+        try:
+            _run_sources(settings, bridge, host)
+        finally:
+            sink.close()
+
+
+def _run_sources(settings: Settings, bridge: Bridge, host: str | None) -> None:
+    """The SQS poller (when configured) in a thread, the webhook/health server in this one."""
     import uvicorn
 
-    store = MetadataStore(settings.metadata_url)
-    store.check_schema()
-    bridge, sink = build_bridge(settings, store)
     stop = threading.Event()
     sources: list[EventSource] = []
     threads = []
@@ -56,5 +66,3 @@ def serve(settings: Settings, host: str | None = None) -> None:
         stop.set()
         for thread in threads:
             thread.join(timeout=settings.events.wait_seconds + 5)
-        sink.close()
-        store.dispose()

@@ -52,7 +52,39 @@ class ServerMetrics:
 
     def __init__(self, *, nvml: NvmlLoader | None = None) -> None:
         self.registry = CollectorRegistry()
-        registry = self.registry
+        # Registered in this order, which is the order /metrics lists them in.
+        self._request_families(self.registry)
+        self._batch_families(self.registry)
+        self._monitor_families(self.registry)
+        self._engine_cache_families(self.registry)
+        self.telemetry_dropped = Counter(
+            "sluicegate_telemetry_dropped",
+            "Monitor batches and request-log lines dropped because the telemetry thread fell behind.",
+            ["kind"],
+            registry=self.registry,
+        )
+        self.gpu = GpuCollector(nvml)
+        self.registry.register(self.gpu)
+        self._children: dict[tuple[str, str, str], tuple[Any, Any]] = {}
+        # Every per-version family with its label names, for forget().
+        self._per_version: list[tuple[MetricWrapperBase, tuple[str, ...]]] = [
+            (self.requests, (*_VERSION, "code")),
+            (self.fallback_level, (*_VERSION, "runtime")),
+            (self.drift_statistic, (*_VERSION, "feature")),
+            (self.drift_p_value, (*_VERSION, "feature")),
+            (self.latency, _VERSION),
+            (self.queue_duration, _VERSION),
+            (self.batch_size, _VERSION),
+            (self.batch_execution, _VERSION),
+            (self.entropy, _VERSION),
+            (self.entropy_collapse, _VERSION),
+            (self.drift_alarm, _VERSION),
+            (self.engine_cache_hits, _VERSION),
+            (self.engine_cache_lookups, _VERSION),
+        ]
+
+    def _request_families(self, registry: CollectorRegistry) -> None:
+        """Requests by status code, latency, the runtime fallback level and readiness."""
         self.requests = Counter(
             "sluicegate_inference_requests",  # exposed as sluicegate_inference_requests_total
             "Inference requests by model, version and gRPC status code.",
@@ -73,6 +105,9 @@ class ServerMetrics:
             registry=registry,
         )
         self.ready = Gauge("sluicegate_server_ready", "1 when every configured model is loaded.", registry=registry)
+
+    def _batch_families(self, registry: CollectorRegistry) -> None:
+        """Queue time, batch size and batch execution time (fed through ``batch_observer``)."""
         self.queue_duration = Histogram(
             "sluicegate_queue_duration_seconds",
             "Time a request waited in its version's batch queue before its batch started.",
@@ -94,6 +129,9 @@ class ServerMetrics:
             buckets=LATENCY_BUCKETS,
             registry=registry,
         )
+
+    def _monitor_families(self, registry: CollectorRegistry) -> None:
+        """Output entropy and its collapse verdict; feature drift KS statistic, p-value and alarm."""
         self.entropy = Histogram(
             "sluicegate_output_entropy_bits",
             "Shannon entropy of each answered row's softmax, in bits.",
@@ -125,6 +163,9 @@ class ServerMetrics:
             _VERSION,
             registry=registry,
         )
+
+    def _engine_cache_families(self, registry: CollectorRegistry) -> None:
+        """TensorRT engine cache hits and lookups."""
         self.engine_cache_hits = Counter(
             "sluicegate_tensorrt_engine_cache_hits",
             "TensorRT engine cache lookups that found a built engine.",
@@ -137,31 +178,6 @@ class ServerMetrics:
             _VERSION,
             registry=registry,
         )
-        self.telemetry_dropped = Counter(
-            "sluicegate_telemetry_dropped",
-            "Monitor batches and request-log lines dropped because the telemetry thread fell behind.",
-            ["kind"],
-            registry=registry,
-        )
-        self.gpu = GpuCollector(nvml)
-        registry.register(self.gpu)
-        self._children: dict[tuple[str, str, str], tuple[Any, Any]] = {}
-        # Every per-version family with its label names, for forget().
-        self._per_version: list[tuple[MetricWrapperBase, tuple[str, ...]]] = [
-            (self.requests, (*_VERSION, "code")),
-            (self.fallback_level, (*_VERSION, "runtime")),
-            (self.drift_statistic, (*_VERSION, "feature")),
-            (self.drift_p_value, (*_VERSION, "feature")),
-            (self.latency, _VERSION),
-            (self.queue_duration, _VERSION),
-            (self.batch_size, _VERSION),
-            (self.batch_execution, _VERSION),
-            (self.entropy, _VERSION),
-            (self.entropy_collapse, _VERSION),
-            (self.drift_alarm, _VERSION),
-            (self.engine_cache_hits, _VERSION),
-            (self.engine_cache_lookups, _VERSION),
-        ]
 
     def observe(self, model: str, version: str, code: str, seconds: float) -> None:
         """One answered request: counted by status code; its latency recorded when it succeeded."""

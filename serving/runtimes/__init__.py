@@ -1,8 +1,7 @@
-"""Inference runtimes behind one batch-first interface (DESIGN section 6).
-
-A runtime takes a whole batch (``{input name: array}``) and returns ``{output name: array}``; batching,
-routing and fallback stay outside it. Implementations are imported lazily by name, so a CPU host never
-imports TensorRT.
+"""The runtime registry: ``LOADERS`` maps a runtime name to the file it loads and a loader that imports its
+implementation inside the function, so a CPU host never imports TensorRT. The batch-first interface
+every runtime implements is ``Runtime`` in serving/runtimes/base.py; the modules here import that, never
+this registry.
 
 ``load_runtime`` builds the fallback chain of a version: TensorRT (``model.plan``) -> ONNX Runtime
 (``model.onnx``) -> rules (``rules.json``), keeping the levels whose file the version has. With an
@@ -14,14 +13,15 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 import numpy as np
-import numpy.typing as npt
+
+from serving.runtimes.base import Array, Runtime
 
 if TYPE_CHECKING:
     from serving.model_format import ModelConfig
@@ -30,29 +30,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-Array = npt.NDArray[np.generic]
-
 DEFAULT_ORDER: tuple[str, ...] = ("tensorrt", "onnxruntime", "rules")
-
-
-class Runtime(Protocol):
-    """One loaded model version, ready to run batches.
-
-    ``name`` and ``providers`` are read-only here so that wrappers (the fallback chain, a batcher) can
-    expose their inner runtime's values as properties and still be runtimes.
-    """
-
-    @property
-    def name(self) -> str:  # "onnxruntime", "tensorrt", "rules"
-        ...
-
-    @property
-    def providers(self) -> tuple[str, ...]:  # what really runs it (e.g. ONNX Runtime's session providers)
-        ...
-
-    def infer(self, inputs: Mapping[str, Array]) -> dict[str, Array]: ...
-
-    def close(self) -> None: ...
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from serving.errors import InvalidInput, ModelNotReady, RuntimeFailure, ServingError
-from serving.runtimes import Array, Runtime
+from serving.runtimes.base import Array, Runtime
 
 log = logging.getLogger(__name__)
 

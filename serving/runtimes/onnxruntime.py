@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from serving.runtimes import Array
+from serving.runtimes.base import Array
 
 log = logging.getLogger(__name__)
 

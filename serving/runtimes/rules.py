@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from serving.errors import InvalidInput, RuntimeFailure
-from serving.runtimes import Array
+from serving.runtimes.base import Array
 
 RULES_FORMAT = 1
 _KEYS = {"format", "output", "classes", "answer", "reason"}

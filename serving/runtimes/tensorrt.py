@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from serving.errors import InvalidInput, RuntimeFailure
-from serving.runtimes import Array
+from serving.runtimes.base import Array
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,7 @@
-"""The metadata (lineage) store: models, the store with its migrations, and repository functions."""
+"""The metadata (lineage) store: the tables (``models``), the store and its schema check (``store``), and one
+module of repository functions per aggregate: ``datasets``, ``events``, ``runs``, ``gates``,
+``model_versions`` (with alias moves), ``rollouts``; ``rows`` holds what they share. Only these modules
+build queries; everything else calls them with a session from ``MetadataStore.session()``."""
 
 from sluicegate.metadata.models import (
     AliasChange,

@@ -1,4 +1,4 @@
-"""The metadata store: one engine, managed sessions, and the schema's Alembic revision."""
+"""The metadata store: one engine, managed sessions, the schema's Alembic revision, and how a store is opened."""
 
 from __future__ import annotations
 
@@ -143,13 +143,24 @@ class MetadataStore:
     def checked(cls, url: str) -> Iterator[MetadataStore]:
         """A store on ``url`` whose schema is current (``check_schema``), disposed on the way out.
 
+        The one way to open a store for reading and writing rows, for a command or for a service's
+        lifetime.
+
         Raises:
             StoreUnavailable: the database cannot be reached.
             SchemaOutdated: its schema is not this code's; the message names the upgrade command.
         """
+        with cls.unchecked(url) as store:
+            store.check_schema()
+            yield store
+
+    @classmethod
+    @contextmanager
+    def unchecked(cls, url: str) -> Iterator[MetadataStore]:
+        """A store on ``url`` whatever its schema, disposed on the way out: only for the schema commands
+        (``sluicegate db upgrade|downgrade|current``), which work on a store that is not current yet."""
         store = cls(url)
         try:
-            store.check_schema()
             yield store
         finally:
             store.dispose()

@@ -7,13 +7,11 @@ MLflow part out and a note says why.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from sqlalchemy import or_, select
 from sqlalchemy.orm import Session
 
-from sluicegate.metadata import repository as repo
-from sluicegate.metadata.models import (
+from sluicegate.metadata import (
     AliasChange,
     DatasetVersion,
     Deployment,
@@ -22,6 +20,15 @@ from sluicegate.metadata.models import (
     PipelineRun,
     S3Event,
 )
+from sluicegate.metadata.events import find_s3_event
+from sluicegate.metadata.gates import gate_results_for_run
+from sluicegate.metadata.model_versions import (
+    alias_changes_for_model_version,
+    alias_history,
+    model_versions_for_dataset_version,
+)
+from sluicegate.metadata.rollouts import deployments_for_model_version
+from sluicegate.metadata.runs import pipeline_runs_for_dataset_version
 from tasks.lineage import records as rec
 
 if TYPE_CHECKING:
@@ -69,11 +76,7 @@ class Walker:
         )
 
     def pipeline_run(self, run: PipelineRun) -> rec.PipelineRunInfo:
-        event = None
-        if run.trigger_event_id:
-            event = self.session.scalars(
-                select(S3Event).where(S3Event.event_id == run.trigger_event_id).order_by(S3Event.id).limit(1)
-            ).first()
+        event = find_s3_event(self.session, run.trigger_event_id) if run.trigger_event_id else None
         return rec.PipelineRunInfo(
             id=run.id,
             prefect_flow_run_id=run.prefect_flow_run_id,
@@ -87,7 +90,7 @@ class Walker:
             mlflow_run_id=run.mlflow_run_id,
             started_at=run.started_at,
             finished_at=run.finished_at,
-            gates=tuple(_gate(g) for g in repo.gate_results_for_run(self.session, run.id)),
+            gates=tuple(_gate(g) for g in gate_results_for_run(self.session, run.id)),
         )
 
     def training_run(self, run_id: str) -> rec.TrainingRun | None:
@@ -138,11 +141,7 @@ class Walker:
     # --- upward: model version -> deployments, aliases; dataset -> runs, models --------------------
 
     def record(self, row: ModelVersion) -> rec.ModelRecord:
-        deployments = self.session.scalars(
-            select(Deployment)
-            .where(Deployment.model_version_id == row.id)
-            .order_by(Deployment.started_at, Deployment.id)
-        )
+        deployments = deployments_for_model_version(self.session, row.id)
         aliases, source = self.aliases(row)
         return rec.ModelRecord(
             model_name=row.model_name,
@@ -165,12 +164,7 @@ class Walker:
         if held is not None:
             return tuple(sorted(a for a, n in held.items() if n == row.mlflow_model_version)), "mlflow"
         latest: dict[str, AliasChange] = {}
-        moves = self.session.scalars(
-            select(AliasChange)
-            .where(AliasChange.model_name == row.model_name)
-            .order_by(AliasChange.created_at.desc(), AliasChange.id.desc())
-        )
-        for move in moves:
+        for move in alias_history(self.session, row.model_name, limit=None):
             latest.setdefault(move.alias, move)
         mine = (a for a, m in latest.items() if m.registry_version is not None and _names(m, row))
         return tuple(sorted(mine)), "metadata store"
@@ -188,28 +182,12 @@ class Walker:
         return self._held[model_name]
 
     def alias_moves(self, row: ModelVersion) -> list[rec.AliasMove]:
-        conditions: list[Any] = [AliasChange.model_version == row.version]
-        conditions.append(AliasChange.previous_model_version == row.version)
-        if row.mlflow_model_version:
-            conditions.append(AliasChange.registry_version == row.mlflow_model_version)
-            conditions.append(AliasChange.previous_registry_version == row.mlflow_model_version)
-        query = (
-            select(AliasChange)
-            .where(AliasChange.model_name == row.model_name, or_(*conditions))
-            .order_by(AliasChange.created_at, AliasChange.id)
-        )
-        return [_move(m, "to" if _names(m, row) else "from") for m in self.session.scalars(query)]
+        moves = alias_changes_for_model_version(self.session, row)
+        return [_move(m, "to" if _names(m, row) else "from") for m in moves]
 
     def data(self, version: DatasetVersion) -> rec.DataLineage:
-        runs = [self.pipeline_run(r) for r in repo.pipeline_runs_for_dataset_version(self.session, version.id)]
-        models = self.session.scalars(
-            select(ModelVersion)
-            .where(
-                or_(ModelVersion.dataset_version_id == version.id, ModelVersion.data_version == version.data_version)
-            )
-            .order_by(ModelVersion.created_at, ModelVersion.id)
-        )
-        records = [self.record(m) for m in models]
+        runs = [self.pipeline_run(r) for r in pipeline_runs_for_dataset_version(self.session, version.id)]
+        records = [self.record(m) for m in model_versions_for_dataset_version(self.session, version)]
         champion = next((r.version for r in records if CHAMPION in r.aliases), None)
         return rec.DataLineage(self.dataset(version), tuple(runs), tuple(records), champion)
 

@@ -1,4 +1,5 @@
-"""Lineage queries: walk the metadata store and MLflow from a model version, a request id or a data version.
+"""Lineage walks: follow the metadata store (its repository functions) and MLflow from a model version, a request
+id or a data version.
 
 ``walk`` decides what the reference is, in an order that cannot mistake one kind for another:
 
@@ -21,12 +22,12 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING, Literal
 
 import httpx
-from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from sluicegate.errors import SluicegateError
-from sluicegate.metadata import repository as repo
-from sluicegate.metadata.models import ModelVersion
+from sluicegate.metadata import ModelVersion
+from sluicegate.metadata.datasets import find_dataset_version
+from sluicegate.metadata.model_versions import find_model_version, find_model_versions
 from tasks.lineage import rows
 from tasks.lineage.records import DataLineage, Lineage, MlflowState, ModelLineage
 from tasks.lineage.request_logs import RequestLine, find_request
@@ -150,30 +151,10 @@ def _registry_row(
     except SluicegateError as exc:
         tried.append(f"{what}: {exc}")
         return None
-    row = session.scalars(
-        select(ModelVersion).where(ModelVersion.model_name == found.name, ModelVersion.version == found.model_version)
-    ).one_or_none()
+    row = find_model_version(session, found.name, found.model_version)
     if row is None:
         tried.append(f"{what}: {found.describe()} is registered but not in the metadata store")
     return row
-
-
-def find_model_versions(session: Session, ref: str, model_name: str | None = None) -> list[ModelVersion]:
-    """Recorded model versions named ``ref`` exactly, else those starting with it (at most 6).
-
-    When several models share the matches, those of ``model_name`` (the configured model) win.
-    """
-    exact = list(session.scalars(select(ModelVersion).where(ModelVersion.version == ref).order_by(ModelVersion.id)))
-    found = exact or list(
-        session.scalars(
-            select(ModelVersion)
-            .where(ModelVersion.version.startswith(ref, autoescape=True))
-            .order_by(ModelVersion.id)
-            .limit(6)
-        )
-    )
-    preferred = [row for row in found if row.model_name == model_name]
-    return preferred if preferred and len({row.model_name for row in found}) > 1 else found
 
 
 def _data(walker: rows.Walker, ref: str, tried: list[str], *, forced: bool) -> DataLineage | None:
@@ -182,7 +163,7 @@ def _data(walker: rows.Walker, ref: str, tried: list[str], *, forced: bool) -> D
             tried.append(f"data version: {ref!r} is not 7 to 64 hex characters")
         return None
     try:
-        version = repo.find_dataset_version(walker.session, ref)
+        version = find_dataset_version(walker.session, ref)
     except LookupError as exc:
         raise LineageAmbiguous(str(exc)) from exc
     if version is None:
@@ -207,11 +188,7 @@ def _request(
         return None, None
     if len(search.matches) > 1:
         walker.notes.append(f"request id {ref!r} appears {len(search.matches)} times; following the latest")
-    row = walker.session.scalars(
-        select(ModelVersion).where(
-            ModelVersion.model_name == line.model_name, ModelVersion.version == line.model_version
-        )
-    ).one_or_none()
+    row = find_model_version(walker.session, line.model_name, line.model_version)
     if row is None:
         walker.notes.append(
             f"model {line.model_name} version {line.model_version!r} from the request log is not in the metadata store"

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import httpx
 
+from sluicegate.errors import ConfigError
 from sluicegate.settings import Settings
 from tasks.rollout.local import Fetch, LocalPlatform
 from tasks.rollout.metrics import MetricsSource, PrometheusSource, ScrapeSource
@@ -22,11 +23,19 @@ def plan_from_settings(settings: Settings) -> RolloutPlan:
     r = settings.rollout
     try:
         checks = tuple(CustomCheck(**check) for check in r.custom_checks)
-    except TypeError as exc:
-        raise ValueError(
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(
             f"SLUICEGATE_ROLLOUT__CUSTOM_CHECKS: {exc}; expected a JSON list of "
             '{"name", "query", "op", "bound", "relative"} objects'
         ) from exc
+    try:
+        return _plan(settings, checks)
+    except ValueError as exc:  # RolloutPlan checks itself; here the values came from SLUICEGATE_ROLLOUT__*
+        raise ConfigError(f"SLUICEGATE_ROLLOUT__*: {exc}; fix the rollout settings (sluicegate config)") from exc
+
+
+def _plan(settings: Settings, checks: tuple[CustomCheck, ...]) -> RolloutPlan:
+    r = settings.rollout
     return RolloutPlan(
         steps=r.steps,
         hold_s=r.hold_seconds,
@@ -64,7 +73,7 @@ def platform_from_settings(settings: Settings, fetch: Fetch | None = None) -> Ro
     elif token_file.is_file():
         token = token_file.read_text().strip()
     else:
-        raise ValueError(
+        raise ConfigError(
             "SLUICEGATE_ROLLOUT__ADMIN_TOKEN is unset: the local rollout moves traffic with the server's admin "
             "token; set it to the server's SLUICEGATE_SERVING__ADMIN_TOKEN "
             f"(the embedded stack keeps it in {token_file})"
@@ -84,7 +93,7 @@ def source_from_settings(settings: Settings) -> MetricsSource:
     if r.prometheus_url:
         return PrometheusSource(r.prometheus_url)
     if r.custom_checks:
-        raise ValueError("SLUICEGATE_ROLLOUT__CUSTOM_CHECKS are PromQL: set SLUICEGATE_ROLLOUT__PROMETHEUS_URL too")
+        raise ConfigError("SLUICEGATE_ROLLOUT__CUSTOM_CHECKS are PromQL: set SLUICEGATE_ROLLOUT__PROMETHEUS_URL too")
     return ScrapeSource(list(r.metrics_urls) or [f"{r.local_http.rstrip('/')}/metrics"])
 
 

@@ -1,6 +1,7 @@
 """The local rollout platform: the canary runs inside one sluicegate model server, as a second loaded
 version of the model, and traffic moves with the server's version weights (the authenticated admin
-route of serving/http.py). The whole canary, metrics analysis and rollback included, runs on one machine.
+route of serving/rest_api/side_port.py). The whole canary, metrics analysis and rollback included, runs
+on one machine.
 
 The server serves a local repository folder (``sluicegate serve --repo DIR``). A canary version is put
 into that folder (``fetch``: e.g. downloaded from the registry) and loaded with ``RepositoryModelLoad``;

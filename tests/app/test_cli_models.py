@@ -8,7 +8,7 @@ from typer.testing import CliRunner
 
 from sluicegate.app.cli.main import app
 from sluicegate.metadata import MetadataStore
-from sluicegate.metadata.aliases import alias_history
+from sluicegate.metadata.model_versions import alias_history
 from sluicegate.settings import Settings
 from tasks import registry, tracking
 from tests.fixtures.models import register

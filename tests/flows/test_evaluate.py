@@ -4,6 +4,7 @@ challenger alias, the reports (MLflow plots and model card, Prefect artifacts) a
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -12,7 +13,7 @@ from flows.evaluate import CONFUSION_PNG, artifact_url
 from flows.pipeline import pipeline
 from sluicegate.errors import GateFailed
 from sluicegate.metadata import MetadataStore
-from sluicegate.metadata.aliases import alias_history
+from sluicegate.metadata.model_versions import alias_history
 from sluicegate.settings import Settings
 from tasks import registry, tracking
 from tasks.sample_data import make_sample
@@ -45,6 +46,28 @@ def test_a_better_candidate_becomes_challenger_and_a_worse_one_leaves_the_champi
     assert result["challenger"] is True
     assert holder(platform, "challenger") == result["registry_version"]
     assert holder(platform, "champion") == weak.registry_version  # the champion moves only after a canary
+    flow_run_id = assert_recorded_as_challenger(platform, result)
+    client = tracking.client(platform.mlflow.url)
+    assert_eval_artifacts(platform, client, result, flow_run_id, tmp_path)
+    candidate = registry.get_version(platform.mlflow.url, platform.model.name, result["registry_version"])
+    assert candidate.tags[registry.TAG_EVAL_GATE] == "passed"
+
+    # The good candidate wins its canary (simulated here): champion. A barely trained one must now lose.
+    move(platform, candidate, "champion", "canary passed (simulated)")
+    monkeypatch.setenv("SLUICEGATE_TRAINING__EPOCHS", "1")
+    monkeypatch.setenv("SLUICEGATE_TRAINING__LEARNING_RATE", "1e-6")
+    with pytest.raises(GateFailed, match=r"eval gate failed: accuracy vs champion observed"):
+        pipeline(bucket=platform.storage.bucket, key=key, trigger="manual")
+    assert holder(platform, "champion") == candidate.registry_version
+    assert holder(platform, "challenger") == candidate.registry_version
+    worse = registry.list_versions(platform.mlflow.url, platform.model.name)[0]
+    assert worse.registry_version != candidate.registry_version and worse.tags[registry.TAG_EVAL_GATE] == "failed"
+    client.delete_registered_model(platform.model.name)
+
+
+def assert_recorded_as_challenger(platform: Settings, result: dict[str, Any]) -> str | None:
+    """The store's newest alias move made the run's model challenger, with the eval gate's reason, and
+    the eval gate's row passed against the weak champion; returns the run's Prefect flow-run id."""
     store = MetadataStore(platform.metadata_url)
     with store.session() as session:
         moves = alias_history(session, platform.model.name)
@@ -56,17 +79,22 @@ def test_a_better_candidate_becomes_challenger_and_a_worse_one_leaves_the_champi
         )
         assert latest.actor.startswith("pipeline:") and latest.pipeline_run_id == result["pipeline_run_id"]
         assert latest.reason.startswith("eval gate passed: accuracy ") and "v0.0.1-0000000-0000000" in latest.reason
-        from sluicegate.metadata import repository as repo
+        from sluicegate.metadata.gates import gate_results_for_run
 
-        row = {g.gate: g for g in repo.gate_results_for_run(session, result["pipeline_run_id"])}["eval"]
+        row = {g.gate: g for g in gate_results_for_run(session, result["pipeline_run_id"])}["eval"]
         assert row.passed and row.metrics["metrics"]["champion_version"] == "v0.0.1-0000000-0000000"
         assert row.metrics["metrics"]["candidate_accuracy"] >= row.metrics["metrics"]["champion_accuracy"] + 0.005
         flow_run_id = session.get(
             __import__("sluicegate.metadata", fromlist=["x"]).PipelineRun, result["pipeline_run_id"]
         ).prefect_flow_run_id  # type: ignore[union-attr]
     store.dispose()
+    return flow_run_id  # type: ignore[no-any-return]
 
-    client = tracking.client(platform.mlflow.url)
+
+def assert_eval_artifacts(
+    platform: Settings, client: Any, result: dict[str, Any], flow_run_id: str | None, tmp_path: Path
+) -> None:
+    """The eval gate's reports, plots and metrics in MLflow, the model card, and its Prefect artifacts."""
     run_id = result["mlflow_run_id"]
     names = {a.path for a in client.list_artifacts(run_id, "gates/eval")}
     assert {CONFUSION_PNG, "gates/eval/calibration.png", "gates/eval/report.md", "gates/eval/evaluations.json"} <= names
@@ -82,20 +110,6 @@ def test_a_better_candidate_becomes_challenger_and_a_worse_one_leaves_the_champi
     by_key = {a["key"]: a for a in found}
     assert "| metric | candidate | champion |" in by_key["eval-gate-pcb"]["data"]
     assert by_key["eval-confusion-matrix-pcb"]["type"] == "image"
-    candidate = registry.get_version(platform.mlflow.url, platform.model.name, result["registry_version"])
-    assert candidate.tags[registry.TAG_EVAL_GATE] == "passed"
-
-    # The good candidate wins its canary (simulated here): champion. A barely trained one must now lose.
-    move(platform, candidate, "champion", "canary passed (simulated)")
-    monkeypatch.setenv("SLUICEGATE_TRAINING__EPOCHS", "1")
-    monkeypatch.setenv("SLUICEGATE_TRAINING__LEARNING_RATE", "1e-6")
-    with pytest.raises(GateFailed, match=r"eval gate failed: accuracy vs champion observed"):
-        pipeline(bucket=platform.storage.bucket, key=key, trigger="manual")
-    assert holder(platform, "champion") == candidate.registry_version
-    assert holder(platform, "challenger") == candidate.registry_version
-    worse = registry.list_versions(platform.mlflow.url, platform.model.name)[0]
-    assert worse.registry_version != candidate.registry_version and worse.tags[registry.TAG_EVAL_GATE] == "failed"
-    client.delete_registered_model(platform.model.name)
 
 
 def test_the_first_model_must_clear_the_floor(

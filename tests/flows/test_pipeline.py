@@ -64,7 +64,7 @@ def test_a_passing_run_registers_a_traceable_model_version(pg_platform: Settings
         assert "torch" in row.environment and "onnxruntime" in row.environment
         gates = {
             g.gate: g.passed
-            for g in __import__("sluicegate.metadata.repository", fromlist=["x"]).gate_results_for_run(
+            for g in __import__("sluicegate.metadata.gates", fromlist=["x"]).gate_results_for_run(
                 session, result["pipeline_run_id"]
             )
         }
@@ -112,11 +112,11 @@ def test_a_broken_dataset_fails_the_run_with_the_reason(pg_platform: Settings) -
 
 
 def _gate_rows(settings: Settings, run_id: int) -> dict[str, bool]:
-    from sluicegate.metadata import repository as repo
+    from sluicegate.metadata.gates import gate_results_for_run
 
     store = MetadataStore(settings.metadata_url)
     with store.session() as session:
-        rows = {row.gate: row.passed for row in repo.gate_results_for_run(session, run_id)}
+        rows = {row.gate: row.passed for row in gate_results_for_run(session, run_id)}
     store.dispose()
     return rows
 

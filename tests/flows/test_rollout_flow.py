@@ -13,14 +13,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import tritonclient.grpc as triton
+from sqlalchemy import select
 
 from flows.rollout import RolloutFailed, rollout
 from serving.server import RunningServer, start
 from serving.settings import ServingSettings
-from sluicegate.metadata import MetadataStore
-from sluicegate.metadata.aliases import alias_history
-from sluicegate.metadata.models import Deployment
-from sluicegate.metadata.repository import record_model_version
+from sluicegate.metadata import Deployment, MetadataStore
+from sluicegate.metadata.model_versions import alias_history, record_model_version
 from sluicegate.settings import Settings
 from tasks import registry
 from tests.fixtures.models import register
@@ -124,7 +123,7 @@ def test_first_version_deploys_then_a_canary_takes_champion(platform: Settings, 
         with store.session() as session:
             moved = alias_history(session, platform.model.name, registry.CHAMPION)[0]
             assert moved.actor.startswith("rollout:") and moved.registry_version == second.registry_version
-            deployments = session.query(Deployment).order_by(Deployment.id).all()
+            deployments = session.scalars(select(Deployment).order_by(Deployment.id)).all()
             assert [d.status for d in deployments] == ["promoted", "promoted"]
             steps = deployments[1].steps
             assert [(s.step_index, s.canary_weight, s.decision) for s in steps] == [(0, 50, "pass")]
@@ -160,7 +159,7 @@ def test_an_undecidable_canary_is_rolled_back_and_the_challenger_restored(
     store = MetadataStore(platform.metadata_url)
     try:
         with store.session() as session:
-            last = session.query(Deployment).order_by(Deployment.id.desc()).first()
+            last = session.scalars(select(Deployment).order_by(Deployment.id.desc())).first()
             assert last is not None and last.status == "rolled_back" and "inconclusive" in (last.reason or "")
     finally:
         store.dispose()
@@ -263,7 +262,7 @@ def test_the_pipeline_runs_the_canary_as_a_subflow_after_the_eval_gate(
     store = MetadataStore(platform.metadata_url)
     try:
         with store.session() as session:
-            deployment = session.query(Deployment).one()
+            deployment = session.scalars(select(Deployment)).one()
             assert deployment.status == "promoted" and deployment.model_version.version == result["model_version"]
     finally:
         store.dispose()

@@ -49,7 +49,8 @@ def test_non_root_with_a_readiness_health_check_and_serving_only() -> None:
 
 def test_the_server_imports_only_serving_dependencies() -> None:
     probe = (
-        "import sys, serving.server, serving.dataplane, serving.servicer, serving.http, serving.repository; "
+        "import sys, serving.server, serving.dataplane, serving.repository; "
+        "import serving.grpc_api.servicer, serving.rest_api.side_port; "
         "import serving.runtimes.onnxruntime, serving.runtimes.fallback, serving.runtimes.rules; "
         "print(' '.join(sorted({m.split('.')[0] for m in sys.modules})))"
     )

@@ -18,6 +18,7 @@ from typer.testing import CliRunner
 
 from sluicegate.app import stack
 from sluicegate.app.demo import run as demo
+from sluicegate.app.demo.report import Outcome, Step
 from sluicegate.errors import SluicegateError
 from sluicegate.metadata import MetadataStore
 from sluicegate.metadata.models import Deployment, PipelineRun
@@ -28,9 +29,9 @@ from tests.integration.test_stack import stack_settings
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 STEPS = [
-    demo.Step("v1-first", 160, seed=101),
-    demo.Step("v2-corrupt", 160, seed=202, corrupt=True, expect="FAILED"),
-    demo.Step("v3-improved", 480, seed=303),
+    Step("v1-first", 160, seed=101),
+    Step("v2-corrupt", 160, seed=202, corrupt=True, expect="FAILED"),
+    Step("v3-improved", 480, seed=303),
 ]
 
 
@@ -70,14 +71,7 @@ def test_the_demo_chain_from_first_push_to_a_canary_promoted_under_traffic(
         assert improved.traffic is not None and improved.traffic.sent > 100 and improved.traffic.errors == []
         assert len(improved.traffic.by_version) == 2  # both versions answered during the canary
 
-        holder = registry.alias_holder(settings.mlflow.url, settings.model.name, registry.CHAMPION)
-        assert holder is not None and holder.model_version == improved.champion_after
-        store = MetadataStore(settings.metadata_url)
-        with store.session() as session:
-            statuses = [run.status for run in session.scalars(select(PipelineRun).order_by(PipelineRun.id))]
-            deployments = [d.status for d in session.scalars(select(Deployment).order_by(Deployment.id))]
-        store.dispose()
-        assert statuses == ["succeeded", "failed", "succeeded"] and deployments == ["promoted", "promoted"]
+        assert_recorded(settings, improved)
 
         # The summary, and the UI links; the stack is left running for the operator.
         for text in ("dataset versions", "v2-corrupt", "FAIL", "canary of v3-improved", "first champion serving"):
@@ -85,18 +79,38 @@ def test_the_demo_chain_from_first_push_to_a_canary_promoted_under_traffic(
         assert report.prefect_ui in output and "sluicegate down" in output
         assert stack.status(settings)[0] == stack.READY
 
-        # Any request of the demo's client traces back to its model, training run and dataset version.
-        from sluicegate.app.cli.main import app
-
-        for name, value in settings.to_env().items():
-            monkeypatch.setenv(name, value)
-        traced = CliRunner().invoke(app, ["lineage", improved.traffic.last_request_id, "--json"])
-        assert traced.exit_code == 0, traced.output
-        document = json.loads(traced.output)
-        assert document["kind"] == "request"
-        assert document["request"]["model_version"] in (first.champion_after, improved.champion_after)
+        assert_request_traced(settings, monkeypatch, first, improved)
     finally:
         stack.down(settings)
+
+
+def assert_recorded(settings: Settings, improved: Outcome) -> None:
+    """The improved version holds the champion alias; the store has the three runs (the corrupt one failed)
+    and two promotions."""
+    holder = registry.alias_holder(settings.mlflow.url, settings.model.name, registry.CHAMPION)
+    assert holder is not None and holder.model_version == improved.champion_after
+    store = MetadataStore(settings.metadata_url)
+    with store.session() as session:
+        statuses = [run.status for run in session.scalars(select(PipelineRun).order_by(PipelineRun.id))]
+        deployments = [d.status for d in session.scalars(select(Deployment).order_by(Deployment.id))]
+    store.dispose()
+    assert statuses == ["succeeded", "failed", "succeeded"] and deployments == ["promoted", "promoted"]
+
+
+def assert_request_traced(
+    settings: Settings, monkeypatch: pytest.MonkeyPatch, first: Outcome, improved: Outcome
+) -> None:
+    """Any request of the demo's client traces back to its model, training run and dataset version."""
+    from sluicegate.app.cli.main import app
+
+    assert improved.traffic is not None
+    for name, value in settings.to_env().items():
+        monkeypatch.setenv(name, value)
+    traced = CliRunner().invoke(app, ["lineage", improved.traffic.last_request_id, "--json"])
+    assert traced.exit_code == 0, traced.output
+    document = json.loads(traced.output)
+    assert document["kind"] == "request"
+    assert document["request"]["model_version"] in (first.champion_after, improved.champion_after)
 
 
 def test_the_demo_refuses_a_stack_started_without_its_settings(tmp_path: Path) -> None:

@@ -21,7 +21,7 @@ from sluicegate import storage
 from sluicegate.app import stack
 from sluicegate.errors import StackError
 from sluicegate.metadata import MetadataStore
-from sluicegate.metadata import repository as repo
+from sluicegate.metadata.gates import gate_results_for_run
 from sluicegate.metadata.models import DeadLetter, PipelineRun, S3Event
 from sluicegate.settings import Settings
 from tasks import tracking
@@ -185,7 +185,7 @@ def test_a_triggered_run_on_a_corrupt_dataset_stops_at_the_data_gate(running_sta
     store = MetadataStore(running_stack.metadata_url)
     with store.session() as session:
         row = session.scalars(select(PipelineRun).where(PipelineRun.prefect_flow_run_id == run["id"])).one()
-        gates = {g.gate: (g.passed, g.report_uri) for g in repo.gate_results_for_run(session, row.id)}
+        gates = {g.gate: (g.passed, g.report_uri) for g in gate_results_for_run(session, row.id)}
         assert row.status == "failed" and "label distribution" in (row.reason or "")
     store.dispose()
     assert list(gates) == ["data"] and gates["data"][0] is False and gates["data"][1]
@@ -309,7 +309,7 @@ def test_a_pipeline_killed_mid_run_is_rerun_without_duplicates(running_stack: Se
         models = session.scalars(select(ModelVersion).filter_by(pipeline_run_id=row.id)).all()
         assert len(models) == 1
         model_version, mlflow_run_id = models[0].version, row.mlflow_run_id
-        gates = [g.gate for g in repo.gate_results_for_run(session, row.id)]
+        gates = [g.gate for g in gate_results_for_run(session, row.id)]
         assert len(gates) == len(set(gates)) and "eval" in gates
     store.dispose()
     tagged = [v for v in registry.list_versions(running_stack.mlflow.url, running_stack.model.name)]

@@ -22,7 +22,7 @@ from tritonclient.grpc import _utils as triton_utils
 from tritonclient.grpc import model_config_pb2 as triton_config_pb2
 from tritonclient.grpc import service_pb2 as triton_pb2
 
-from serving import converters, converters_meta
+from serving.grpc_api import converters, converters_meta
 from serving.proto import admin_pb2, grpc_service_pb2, grpc_service_pb2_grpc
 from serving.types import DATATYPES, InferResponse, ModelMetadata, Tensor, TensorMetadata
 

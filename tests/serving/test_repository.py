@@ -191,10 +191,10 @@ def test_a_missing_bucket_names_the_source_and_the_fix(tmp_path: Path, moto_url:
 
 def register(mlflow_url: str, name: str, folder: Path) -> str:
     """Log and register a version folder the way the pipeline does; returns the registry version."""
-    from tasks import lineage, registry
+    from tasks import registry, tracking
 
-    client = lineage.client(mlflow_url)
-    run = client.create_run(lineage.experiment_id(client, "serving-tests"))
+    client = tracking.client(mlflow_url)
+    run = client.create_run(tracking.experiment_id(client, "serving-tests"))
     return registry.register_version(
         mlflow_url, name, run.info.run_id, folder, {registry.TAG_MODEL_VERSION: folder.name}
     )

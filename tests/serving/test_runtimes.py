@@ -17,7 +17,8 @@ import pytest
 
 from serving.errors import InvalidInput, ModelNotReady, RuntimeFailure
 from serving.model_format import ModelConfig, write_version
-from serving.runtimes import Array, Runtime, load_runtime, probe_batch
+from serving.runtimes import load_runtime, probe_batch
+from serving.runtimes.base import Array, Runtime
 from serving.runtimes.fallback import FallbackRuntime
 from serving.runtimes.onnxruntime import OnnxRuntime
 from serving.runtimes.rules import RulesRuntime

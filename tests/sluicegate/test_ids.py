@@ -11,7 +11,7 @@ def test_model_version_carries_commit_and_data() -> None:
     code = ids.CodeVersion(commit="3f2a1bc" + "0" * 33, dirty=False)
     version = ids.model_version((1, 2, 0), code, "9d0e4f1" + "a" * 57)
     assert str(version) == "v1.2.0-3f2a1bc-9d0e4f1"
-    assert ids.ModelVersion.parse(str(version)) == version
+    assert ids.ModelVersionId.parse(str(version)) == version
 
 
 @pytest.mark.parametrize(
@@ -19,7 +19,7 @@ def test_model_version_carries_commit_and_data() -> None:
 )
 def test_malformed_model_versions_say_the_form(text: str) -> None:
     with pytest.raises(ConfigError, match=r"vMAJOR\.MINOR\.PATCH-<commit7>-<data7>"):
-        ids.ModelVersion.parse(text)
+        ids.ModelVersionId.parse(text)
 
 
 def test_data_version_is_the_manifest_sha256_and_object_digest_is_order_free() -> None:

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from sluicegate.metadata import MetadataStore
-from sluicegate.metadata import repository as repo
+from sluicegate.metadata.datasets import upsert_dataset_version
 from tasks.lineage.records import Lineage
 from tasks.lineage.request_logs import default_log_files, find_request
 from tasks.lineage.walk import LineageAmbiguous, LineageNotFound, LogQuery, connect_mlflow, walk
@@ -113,7 +113,7 @@ def test_unknown_and_ambiguous_references_say_what_was_tried(store_url: str, tmp
         lineage_of(store_url, "champion")
     store = MetadataStore(store_url)
     with store.session() as session:
-        repo.upsert_dataset_version(
+        upsert_dataset_version(
             session,
             dataset_name="pcb",
             data_version=history.DATA[:7] + "0" * 57,

@@ -18,7 +18,8 @@ from tasks.dataset_source import LocalSource
 from tasks.model_zoo import build_model
 from tasks.sample_data import Corruption, make_sample
 from tasks.train_gate import HistoryRun, train_gate
-from tasks.training import EpochRecord, load_checkpoint, load_split, save_checkpoint, train
+from tasks.training import EpochRecord, load_checkpoint, save_checkpoint, train
+from tasks.training_data import load_split
 
 # The spec is a parameter of training; 32x32 is a quarter of the default's pixels and still separates the
 # classes (the joints fill the frame).

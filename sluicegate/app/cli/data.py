@@ -102,20 +102,12 @@ def ls(name: Annotated[str | None, typer.Argument(help="Only this dataset.")] = 
     console.print(table)
 
 
-def _source(settings: Settings, location: str) -> DatasetSource:
-    from tasks.dataset_source import LocalSource, S3Source, parse_s3_uri
+def open_source(settings: Settings, location: str) -> DatasetSource:
+    """The dataset a command names: a folder or an ``s3://`` prefix (an S3 client only for the latter)."""
+    from sluicegate import storage
+    from tasks.dataset_source import open_location
 
-    if location.startswith("s3://"):
-        from sluicegate import storage
-
-        bucket, prefix = parse_s3_uri(location)
-        return S3Source(storage.s3_client(settings), bucket, prefix)
-    path = Path(location)
-    if not path.is_dir():
-        raise typer.BadParameter(
-            f"{location} is neither a folder nor an s3://bucket/prefix/ URI", param_hint="LOCATION"
-        )
-    return LocalSource(path)
+    return open_location(location, lambda: storage.s3_client(settings))
 
 
 def print_verdict(verdict: GateVerdict) -> None:
@@ -154,31 +146,22 @@ def check_data(
     report: Annotated[Path | None, typer.Option(help="Also write the verdict and GX's result as JSON here.")] = None,
 ) -> None:
     """The data gate (Great Expectations) on a dataset that follows the contract; exit 1 on failure."""
-    from tasks.champion import champion_labels
-    from tasks.data_gate import run_data_gate
+    from tasks.dataset_gates import check_data as data_gate
     from tasks.datasets import manifest_paths
-    from tasks.image_stats import collect_stats
 
     settings = load_settings()
     with cli_errors():
-        source = _source(settings, location)
+        source = open_source(settings, location)
         manifest = source.manifest()
-        paths = manifest_paths(manifest)
-        with _progress("reading images") as bar:
-            task = bar.add_task("stats", total=len(paths))
-            stats = collect_stats(
-                source, paths, concurrency=settings.data_gate.read_concurrency, on_image=lambda _: bar.advance(task)
-            )
         found = _champion(settings, champion)
-        reference = champion_labels(settings.mlflow.url, found) if found else None
-        with console.status("validating with Great Expectations..."):
-            verdict, validation = run_data_gate(manifest, stats, reference, settings.data_gate)
-    print_verdict(verdict)
+        with _progress("reading images, then validating") as bar:
+            task = bar.add_task("stats", total=len(manifest_paths(manifest)))
+            outcome = data_gate(settings, source, manifest, champion=found, on_image=lambda _: bar.advance(task))
+    print_verdict(outcome.verdict)
     if report is not None:
-        report.write_text(
-            json.dumps({"verdict": verdict.to_dict(), "gx_validation": validation}, indent=2, default=str)
-        )
-    if not verdict.passed:
+        document = {"verdict": outcome.verdict.to_dict(), "gx_validation": outcome.validation}
+        report.write_text(json.dumps(document, indent=2, default=str))
+    if not outcome.verdict.passed:
         raise typer.Exit(1)
 
 
@@ -190,35 +173,19 @@ def check_features(
 ) -> None:
     """The feature gate: the configured preprocessing vs a reference one on sampled images; exit 1 on failure."""
     from serving.preprocessing import PreprocessSpec
-    from tasks.champion import champion_preprocessing
-    from tasks.datasets import manifest_paths
-    from tasks.feature_gate import feature_gate, sample_indices, spec_from_settings
-    from tasks.image_stats import load_images
+    from tasks.dataset_gates import champion_spec
+    from tasks.dataset_gates import check_features as feature_gate
 
     settings = load_settings()
-    p = settings.preprocessing
-    candidate = spec_from_settings(p)
     with cli_errors(ValueError, OSError):
-        reference = None
+        reference: PreprocessSpec | None
         if against is not None:
             reference = PreprocessSpec.from_dict(json.loads(against.read_text()))
-        elif (found := _champion(settings, champion)) is not None:
-            recorded = champion_preprocessing(settings.mlflow.url, found)
-            reference = PreprocessSpec.from_dict(recorded) if recorded else None
-        source = _source(settings, location)
-        paths = sorted(set(manifest_paths(source.manifest())))
-        chosen = [
-            paths[i] for i in sample_indices(len(paths), settings.feature_gate.sample_size, settings.feature_gate.seed)
-        ]
-        with console.status(f"reading {len(chosen)} sampled images..."):
-            images = load_images(source, chosen, concurrency=settings.data_gate.read_concurrency)
-        verdict = feature_gate(
-            images,
-            reference,
-            candidate,
-            percentile=settings.feature_gate.percentile,
-            min_cosine=settings.feature_gate.min_cosine,
-        )
+        else:
+            reference = champion_spec(settings, _champion(settings, champion))
+        source = open_source(settings, location)
+        with console.status("reading the sampled images..."):
+            verdict = feature_gate(settings, source, source.manifest(), reference=reference)
     print_verdict(verdict)
     if not verdict.passed:
         raise typer.Exit(1)

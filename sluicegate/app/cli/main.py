@@ -210,15 +210,12 @@ def runner() -> None:
 
 @contextlib.contextmanager
 def _store() -> Iterator[MetadataStore]:
-    """The configured metadata store for one command; its errors become a clean exit."""
+    """The configured metadata store for one schema command (not checked: these fix the schema); its
+    errors become a clean exit."""
     from sluicegate.metadata import MetadataStore
 
-    store = MetadataStore(load_settings().metadata_url)
-    try:
-        with cli_errors():
-            yield store
-    finally:
-        store.dispose()
+    with cli_errors(), MetadataStore.unchecked(load_settings().metadata_url) as store:
+        yield store
 
 
 @db_app.command("upgrade")

@@ -16,7 +16,6 @@ from rich.table import Table
 from sluicegate.app.cli.common import cli_errors, console, load_settings
 
 if TYPE_CHECKING:
-    from sluicegate.metadata import MetadataStore
     from sluicegate.settings import Settings
 
 models_app = typer.Typer(no_args_is_help=True, help="Model registry: versions, metrics, lineage, aliases.")
@@ -33,14 +32,6 @@ def _operator() -> str:
 
 
 ByOption = Annotated[str | None, typer.Option(help="Who (recorded); default: the login name.")]
-
-
-def _store(settings: Settings) -> MetadataStore:
-    from sluicegate.metadata import MetadataStore
-
-    store = MetadataStore(settings.metadata_url)
-    store.check_schema()
-    return store
 
 
 def _when(ms: int) -> str:
@@ -95,36 +86,13 @@ def show_command(
     as_json: JsonOption = False,
 ) -> None:
     """One version: evaluation metrics, lineage (data, code, runs, environment) and its alias history."""
-    from sluicegate.metadata.aliases import alias_changes_for_version
-    from sluicegate.metadata.models import ModelVersion
     from tasks import registry, tracking
 
     settings = load_settings()
     with cli_errors():
         found = registry.resolve(settings.mlflow.url, settings.model.name, version)
         run = tracking.client(settings.mlflow.url).get_run(found.run_id) if found.run_id else None
-        store = _store(settings)
-        try:
-            with store.session() as session:
-                row = (
-                    session.query(ModelVersion)
-                    .filter_by(model_name=found.name, version=found.model_version)
-                    .one_or_none()
-                )
-                record = None if row is None else {"environment": row.environment, "artifacts": row.artifacts}
-                moves = [
-                    {
-                        "when": m.created_at.isoformat(),
-                        "alias": m.alias,
-                        "to": m.registry_version,
-                        "from": m.previous_registry_version,
-                        "actor": m.actor,
-                        "reason": m.reason,
-                    }
-                    for m in alias_changes_for_version(session, found.name, found.registry_version)
-                ]
-        finally:
-            store.dispose()
+        record, moves = _recorded(settings, found)
     metrics = {k: v for k, v in (run.data.metrics.items() if run else []) if k.startswith(("eval.", "gate."))}
     detail = {
         **_version_dict(found),
@@ -137,6 +105,28 @@ def show_command(
         typer.echo(json.dumps(detail, indent=2, default=str))
         return
     _print_detail(found, detail)
+
+
+def _recorded(settings: Settings, found: Any) -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:
+    """What the metadata store holds on a registry version: its environment and artifacts, and its alias moves."""
+    from sluicegate.metadata import MetadataStore
+    from sluicegate.metadata.model_versions import alias_changes_for_version, find_model_version
+
+    with MetadataStore.checked(settings.metadata_url) as store, store.session() as session:
+        row = find_model_version(session, found.name, found.model_version)
+        record = None if row is None else {"environment": row.environment, "artifacts": row.artifacts}
+        moves = [
+            {
+                "when": m.created_at.isoformat(),
+                "alias": m.alias,
+                "to": m.registry_version,
+                "from": m.previous_registry_version,
+                "actor": m.actor,
+                "reason": m.reason,
+            }
+            for m in alias_changes_for_version(session, found.name, found.registry_version)
+        ]
+    return record, moves
 
 
 def _print_detail(found: Any, detail: dict[str, Any]) -> None:
@@ -199,27 +189,23 @@ def rollback_command(
     by: ByOption = None,
 ) -> None:
     """Move an alias (default: champion) back to the version that held it before (from the recorded moves)."""
+    from sluicegate.metadata import MetadataStore
     from tasks import registry
 
     settings = load_settings()
     with cli_errors():
-        store = _store(settings)
-        try:
+        with MetadataStore.checked(settings.metadata_url) as store:
             target = registry.rollback_target(settings.mlflow.url, store, settings.model.name, alias)
-        finally:
-            store.dispose()
         _move(settings, target, alias, by, f"rollback: {reason}")
 
 
 def _move(settings: Settings, target: Any, alias: str, by: str | None, reason: str) -> None:
+    from sluicegate.metadata import MetadataStore
     from tasks import registry
 
     by = by or _operator()
-    store = _store(settings)
-    try:
+    with MetadataStore.checked(settings.metadata_url) as store:
         change = registry.move_alias(settings.mlflow.url, store, target, alias, actor=by, reason=reason)
-    finally:
-        store.dispose()
     if change is None:
         console.print(f"{alias} already points at {target.describe()}: nothing changed")
         return

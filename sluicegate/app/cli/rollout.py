@@ -129,33 +129,21 @@ async def _resume(model: str) -> str | None:
 
 
 def _latest_steps(settings: Settings, model: str) -> list[dict[str, Any]]:
-    from sqlalchemy import select
-
     from sluicegate.metadata import MetadataStore
-    from sluicegate.metadata.models import Deployment, ModelVersion
+    from sluicegate.metadata.rollouts import latest_deployment
 
-    store = MetadataStore(settings.metadata_url)
-    try:
-        with store.session() as session:
-            latest = session.scalars(
-                select(Deployment)
-                .join(ModelVersion)
-                .where(ModelVersion.model_name == model)
-                .order_by(Deployment.started_at.desc(), Deployment.id.desc())
-                .limit(1)
-            ).first()
-            if latest is None:
-                return []
-            title = f"{model} {latest.model_version.version}: {latest.status}"
-            return [
-                {
-                    "deployment": title,
-                    "step_index": s.step_index,
-                    "canary_weight": s.canary_weight,
-                    "decision": s.decision,
-                    "reason": s.reason,
-                }
-                for s in latest.steps
-            ]
-    finally:
-        store.dispose()
+    with MetadataStore.checked(settings.metadata_url) as store, store.session() as session:
+        latest = latest_deployment(session, model)
+        if latest is None:
+            return []
+        title = f"{model} {latest.model_version.version}: {latest.status}"
+        return [
+            {
+                "deployment": title,
+                "step_index": s.step_index,
+                "canary_weight": s.canary_weight,
+                "decision": s.decision,
+                "reason": s.reason,
+            }
+            for s in latest.steps
+        ]

@@ -12,7 +12,6 @@ It ends with a summary table and the UI links, and leaves the stack running unti
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +20,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from sluicegate.app import stack
 from sluicegate.app.demo.prefect_runs import FlowRun
-from sluicegate.app.demo.traffic import Traffic, TrafficReport, load_inputs
+from sluicegate.app.demo.report import DemoReport, Outcome, Step
+from sluicegate.app.demo.traffic import Traffic, load_inputs
 from sluicegate.app.demo.watch import Followed, TaskRun, follow
 from sluicegate.errors import SluicegateError
 from sluicegate.metadata import MetadataStore
@@ -29,53 +29,6 @@ from sluicegate.settings import Settings
 
 DATASET = "pcb"
 DEMO_MARKER = "demo-settings"
-
-
-@dataclass(frozen=True)
-class Step:
-    """One dataset version of the demo."""
-
-    label: str
-    count: int
-    seed: int
-    corrupt: bool = False
-    expect: str = "COMPLETED"
-
-
-@dataclass
-class Outcome:
-    step: Step
-    data7: str
-    pushed_at: float
-    followed: Followed
-    finished_at: float
-    champion_after: str = ""
-    traffic: TrafficReport | None = None
-
-    @property
-    def flow_run(self) -> FlowRun | None:
-        return self.followed.flow_run
-
-    def stage_seconds(self) -> dict[str, float]:
-        totals: dict[str, float] = {}
-        for task in self.followed.tasks:
-            totals[task.name] = totals.get(task.name, 0.0) + task.seconds
-        return totals
-
-
-@dataclass
-class DemoReport:
-    outcomes: list[Outcome] = field(default_factory=list)
-    prefect_ui: str = ""
-    mlflow_ui: str = ""
-    ok: bool = False
-
-    def seconds_to_champion(self, index: int) -> float | None:
-        """Manifest PUT -> the run that made this version champion ended (event-to-promotion)."""
-        if index >= len(self.outcomes):
-            return None
-        outcome = self.outcomes[index]
-        return outcome.finished_at - outcome.pushed_at if outcome.champion_after else None
 
 
 def demo_settings(settings: Settings) -> Settings:
@@ -108,23 +61,22 @@ def run(
     settings = demo_settings(settings)
     report = DemoReport(prefect_ui=settings.prefect.url.removesuffix("/api"), mlflow_ui=settings.mlflow.url)
     _start(settings, console)
-    store = MetadataStore(settings.metadata_url)
     try:
-        report.ok = True
-        for number, step in enumerate(steps or default_steps(), start=1):
-            console.rule(f"[bold]{number + 1}. dataset version {step.label}")
-            outcome = _one_version(settings, store, console, step, timeout)
-            report.outcomes.append(outcome)
-            if outcome.flow_run is None or outcome.flow_run.state != step.expect:
-                report.ok = False
-                state = outcome.flow_run.state if outcome.flow_run else "no flow run"
-                console.print(f"[red]expected {step.expect}, got {state}; logs in {settings.home / 'logs'}[/red]")
-                break
-        from sluicegate.app.demo.summary import print_summary
+        with MetadataStore.checked(settings.metadata_url) as store:
+            report.ok = True
+            for number, step in enumerate(steps or default_steps(), start=1):
+                console.rule(f"[bold]{number + 1}. dataset version {step.label}")
+                outcome = _one_version(settings, store, console, step, timeout)
+                report.outcomes.append(outcome)
+                if outcome.flow_run is None or outcome.flow_run.state != step.expect:
+                    report.ok = False
+                    state = outcome.flow_run.state if outcome.flow_run else "no flow run"
+                    console.print(f"[red]expected {step.expect}, got {state}; logs in {settings.home / 'logs'}[/red]")
+                    break
+            from sluicegate.app.demo.summary import print_summary
 
-        print_summary(console, report, settings)
+            print_summary(console, report, settings, store)
     finally:
-        store.dispose()
         if stop_at_end:
             stack.down(settings)
             console.print("the stack is stopped")

@@ -7,13 +7,14 @@ from typing import TYPE_CHECKING
 from rich import box
 from rich.console import Console
 from rich.table import Table
-from sqlalchemy import select
 
 from sluicegate.metadata import MetadataStore
-from sluicegate.metadata.models import GateResult, ModelVersion, PipelineRun
+from sluicegate.metadata.gates import gate_results_for_run
+from sluicegate.metadata.model_versions import model_version_for_run
+from sluicegate.metadata.runs import pipeline_run_for_flow_run
 
 if TYPE_CHECKING:
-    from sluicegate.app.demo.run import DemoReport, Outcome
+    from sluicegate.app.demo.report import DemoReport, Outcome
     from sluicegate.settings import Settings
 
 FIRST_CHAMPION_TARGET_S = 300.0
@@ -23,21 +24,17 @@ STAGES = ("resolve-dataset", "data-gate", "feature-gate", "train", "convert", "p
 def recorded(store: MetadataStore, flow_run_id: str) -> tuple[list[tuple[str, bool]], str]:
     """(gate, passed) in the order they ran, and the model version, for a pipeline flow run."""
     with store.session() as session:
-        run = session.scalars(select(PipelineRun).where(PipelineRun.prefect_flow_run_id == flow_run_id)).first()
+        run = pipeline_run_for_flow_run(session, flow_run_id)
         if run is None:
             return [], ""
-        gates = session.scalars(select(GateResult).where(GateResult.pipeline_run_id == run.id).order_by(GateResult.id))
-        model = session.scalars(select(ModelVersion).where(ModelVersion.pipeline_run_id == run.id)).first()
+        gates = gate_results_for_run(session, run.id)
+        model = model_version_for_run(session, run.id)
         return [(gate.gate, gate.passed) for gate in gates], model.version if model else ""
 
 
-def print_summary(console: Console, report: DemoReport, settings: Settings) -> None:
+def print_summary(console: Console, report: DemoReport, settings: Settings, store: MetadataStore) -> None:
     console.rule("[bold]summary")
-    store = MetadataStore(settings.metadata_url)
-    try:
-        console.print(_versions_table(store, report))
-    finally:
-        store.dispose()
+    console.print(_versions_table(store, report))
     console.print(_stages_table(report))
     for outcome in report.outcomes:
         if any(weight < 100 for weight, _, _ in outcome.followed.steps):

@@ -13,11 +13,11 @@ from datetime import datetime
 from typing import Any
 
 import httpx
-from sqlalchemy import select
 
 from sluicegate.app.demo.prefect_runs import FlowRun, flow_runs_for_key
 from sluicegate.metadata import MetadataStore
-from sluicegate.metadata.models import Deployment, ModelVersion, PipelineRun, RolloutStep
+from sluicegate.metadata.rollouts import rollout_steps_for_run
+from sluicegate.metadata.runs import pipeline_run_for_flow_run
 
 
 @dataclass(frozen=True)
@@ -72,17 +72,12 @@ def child_flow_runs(api_url: str, parent_id: str) -> list[str]:
 def rollout_steps(store: MetadataStore, flow_run_id: str) -> list[tuple[int, str, str]]:
     """The canary steps recorded for the model version this pipeline run produced."""
     with store.session() as session:
-        run = session.scalars(select(PipelineRun).where(PipelineRun.prefect_flow_run_id == flow_run_id)).first()
+        run = pipeline_run_for_flow_run(session, flow_run_id)
         if run is None:
             return []
-        query = (
-            select(RolloutStep)
-            .join(Deployment)
-            .join(ModelVersion)
-            .where(ModelVersion.pipeline_run_id == run.id)
-            .order_by(Deployment.id, RolloutStep.step_index)
-        )
-        return [(step.canary_weight, step.decision, step.reason or "") for step in session.scalars(query)]
+        return [
+            (step.canary_weight, step.decision, step.reason or "") for step in rollout_steps_for_run(session, run.id)
+        ]
 
 
 def follow(

@@ -8,7 +8,6 @@ import numpy as np
 from prometheus_client import generate_latest
 
 from serving.batching import DynamicBatcher
-from serving.metrics import ServerMetrics as ReExported
 from serving.observability.metrics import ServerMetrics
 
 
@@ -18,10 +17,6 @@ def no_nvml() -> Any:
 
 def value(metrics: ServerMetrics, name: str, **labels: str) -> float | None:
     return metrics.registry.get_sample_value(name, labels)
-
-
-def test_the_old_import_path_still_works() -> None:
-    assert ReExported is ServerMetrics
 
 
 def test_requests_are_counted_by_code_and_latency_kept_for_successes() -> None:

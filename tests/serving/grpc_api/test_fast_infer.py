@@ -1,4 +1,4 @@
-"""serving/fast_infer.py: the fast decode accepts exactly the common request form, gives the same arrays
+"""serving/grpc_api/fast_infer.py: the fast decode accepts exactly the common request form, gives the same arrays
 as the general path (converters + the data plane's validation), never accepts what the general path
 refuses (hypothesis), and its raw answer reads back like the general converter's."""
 
@@ -11,11 +11,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from serving import converters
 from serving.batching import signature
 from serving.dataplane import validate_inputs
 from serving.errors import InvalidInput
-from serving.fast_infer import InputPlan, raw_response
+from serving.grpc_api import converters
+from serving.grpc_api.fast_infer import InputPlan, raw_response
 from serving.proto import grpc_service_pb2 as pb
 from serving.types import DATATYPES
 

@@ -5,7 +5,7 @@ inputs in the model's order with its datatypes and shapes, no parameters. For on
 ``InputPlan`` checks exactly that in a few comparisons and returns zero-copy arrays plus the batcher's
 signature (precomputed when the shapes are fixed), and ``raw_response`` builds the answer with the
 outputs' raw bytes. Anything else (typed contents, BYTES, parameters, another input order, a mistake)
-returns None from ``decode`` and goes through serving/converters.py and the data plane's validation,
+returns None from ``decode`` and goes through serving/grpc_api/converters.py and the data plane's validation,
 which name the field and the expected value in their errors: the plan never raises and never accepts
 what the general path would refuse.
 
@@ -22,8 +22,8 @@ from typing import Any
 import numpy as np
 
 from serving.batching import Signature, signature
+from serving.codec import Array
 from serving.proto import grpc_service_pb2 as pb
-from serving.tensor_checks import Array
 from serving.types import DATATYPES
 
 

@@ -1,9 +1,9 @@
-"""The V2 REST JSON inference request and response (the HTTP side port's route) <-> the data plane's
-types (serving/types.py).
+"""The V2 REST JSON inference request and response (the HTTP side port's route, with Triton's binary
+tensor data extension) and model metadata <-> the data plane's types (serving/types.py).
 
-Checked as strictly as gRPC (serving/converters.py), with the same shared checks
-(serving/tensor_checks.py): anything that does not convert raises ``InvalidInput`` naming the input,
-what is wrong and what was expected.
+Checked as strictly as gRPC (serving/grpc_api/converters.py), with the same shared checks and raw codec
+(serving/codec.py): anything that does not convert raises ``InvalidInput`` naming the input, what is
+wrong and what was expected.
 """
 
 from __future__ import annotations
@@ -14,19 +14,20 @@ from typing import Any
 
 import numpy as np
 
-from serving.converters import decode_raw, encode_raw
-from serving.errors import InvalidInput
-from serving.tensor_checks import (
+from serving.codec import (
     DEFAULT_MAX_ELEMENTS,
     Array,
     Budget,
+    decode_raw,
+    encode_raw,
     flat_output,
     input_datatype,
     input_name,
     object_array,
     requested_output,
 )
-from serving.types import DATATYPES, InferRequest, InferResponse, RequestedOutput, Tensor
+from serving.errors import InvalidInput
+from serving.types import DATATYPES, InferRequest, InferResponse, ModelMetadata, RequestedOutput, Tensor
 
 
 def request_from_json(
@@ -45,42 +46,12 @@ def request_from_json(
     or every requested output asks for ``binary_data``.
 
     Raises:
-        InvalidInput: As for :func:`serving.converters.request_from_proto`, plus a body of the wrong JSON
-            shape or values of the wrong JSON type for the datatype.
+        InvalidInput: As for :func:`serving.grpc_api.converters.request_from_proto`, plus a body of the wrong
+            JSON shape or values of the wrong JSON type for the datatype.
     """
     if not isinstance(body, Mapping):
         raise InvalidInput(f"request body is {type(body).__name__}; expected a JSON object")
-    items = body.get("inputs")
-    if not isinstance(items, list):
-        raise InvalidInput(f"request 'inputs' is {items!r}; expected a list of input objects")
-    budget, inputs, offset = Budget(max_elements), [], 0
-    seen: dict[str, int] = {}
-    for index, item in enumerate(items):
-        if not isinstance(item, Mapping):
-            raise InvalidInput(
-                f"input #{index} is {type(item).__name__}; expected an object with name, shape, datatype, data"
-            )
-        name = input_name(item.get("name"), index, seen)
-        datatype = input_datatype(name, item.get("datatype"))
-        dims = item.get("shape")
-        if not isinstance(dims, list):
-            raise InvalidInput(f"input {name!r}: shape is {dims!r}; expected a list of sizes")
-        shape, count = budget.charge(name, dims)
-        parameters = _parameters_from_json(item.get("parameters"), f"input {name!r}")
-        size = parameters.pop("binary_data_size", None)
-        if "data" in item:
-            data = _from_json(name, datatype, shape, count, item["data"])
-        elif isinstance(size, int) and not isinstance(size, bool) and 0 <= size <= len(binary) - offset:
-            data = decode_raw(name, datatype, shape, count, binary[offset : offset + size])
-            offset += size
-        else:
-            raise InvalidInput(
-                f"input {name!r} has neither 'data' (a JSON list) nor a binary_data_size within the "
-                f"{len(binary) - offset} binary bytes left after the JSON header"
-            )
-        inputs.append(Tensor(name=name, datatype=datatype, shape=shape, data=data, parameters=parameters))
-    if offset != len(binary):
-        raise InvalidInput(f"{len(binary) - offset} binary bytes after the JSON header belong to no input")
+    inputs = _inputs_from_json(body.get("inputs"), Budget(max_elements), binary)
     outputs = _outputs_from_json(body.get("outputs"))
     parameters = _parameters_from_json(body.get("parameters"), "request")
     binary_out = bool(parameters.get("binary_data_output")) or (
@@ -90,11 +61,54 @@ def request_from_json(
         model_name=model_name,
         model_version=model_version,
         id=_json_id(body.get("id")),
-        inputs=tuple(inputs),
+        inputs=inputs,
         outputs=outputs,
         parameters=parameters,
         raw_output=binary_out,
     )
+
+
+def _inputs_from_json(items: Any, budget: Budget, binary: bytes) -> tuple[Tensor, ...]:
+    """The request's inputs; those without ``data`` take their bytes from ``binary``, in order, all of it."""
+    if not isinstance(items, list):
+        raise InvalidInput(f"request 'inputs' is {items!r}; expected a list of input objects")
+    inputs, offset = [], 0
+    seen: dict[str, int] = {}
+    for index, item in enumerate(items):
+        tensor, offset = _input_from_json(item, index, seen, budget, binary, offset)
+        inputs.append(tensor)
+    if offset != len(binary):
+        raise InvalidInput(f"{len(binary) - offset} binary bytes after the JSON header belong to no input")
+    return tuple(inputs)
+
+
+def _input_from_json(
+    item: Any, index: int, seen: dict[str, int], budget: Budget, binary: bytes, offset: int
+) -> tuple[Tensor, int]:
+    """Input ``index`` and the offset in ``binary`` after its bytes (unchanged when it sent ``data``)."""
+    if not isinstance(item, Mapping):
+        raise InvalidInput(
+            f"input #{index} is {type(item).__name__}; expected an object with name, shape, datatype, data"
+        )
+    name = input_name(item.get("name"), index, seen)
+    datatype = input_datatype(name, item.get("datatype"))
+    dims = item.get("shape")
+    if not isinstance(dims, list):
+        raise InvalidInput(f"input {name!r}: shape is {dims!r}; expected a list of sizes")
+    shape, count = budget.charge(name, dims)
+    parameters = _parameters_from_json(item.get("parameters"), f"input {name!r}")
+    size = parameters.pop("binary_data_size", None)
+    if "data" in item:
+        data = _from_json(name, datatype, shape, count, item["data"])
+    elif isinstance(size, int) and not isinstance(size, bool) and 0 <= size <= len(binary) - offset:
+        data = decode_raw(name, datatype, shape, count, binary[offset : offset + size])
+        offset += size
+    else:
+        raise InvalidInput(
+            f"input {name!r} has neither 'data' (a JSON list) nor a binary_data_size within the "
+            f"{len(binary) - offset} binary bytes left after the JSON header"
+        )
+    return Tensor(name=name, datatype=datatype, shape=shape, data=data, parameters=parameters), offset
 
 
 def _json_id(value: Any) -> str:
@@ -267,3 +281,18 @@ def _output_meta(tensor: Tensor) -> dict[str, Any]:
 def _json_parameters(params: Mapping[str, Any]) -> dict[str, Any]:
     # numpy scalars are not JSON serialisable; .item() gives the Python value.
     return {key: value.item() if isinstance(value, np.generic) else value for key, value in params.items()}
+
+
+def metadata_to_json(meta: ModelMetadata) -> dict[str, Any]:
+    """The V2 REST model metadata body (``name``, ``versions``, ``platform``, ``inputs``, ``outputs``)."""
+
+    def tensors(items: Any) -> list[dict[str, Any]]:
+        return [{"name": t.name, "datatype": t.datatype, "shape": list(t.shape)} for t in items]
+
+    return {
+        "name": meta.name,
+        "versions": list(meta.versions),
+        "platform": meta.platform,
+        "inputs": tensors(meta.inputs),
+        "outputs": tensors(meta.outputs),
+    }

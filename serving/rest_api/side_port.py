@@ -1,5 +1,6 @@
 """The HTTP side port: liveness/readiness for probes, /metrics for Prometheus, the V2 REST routes for
-debugging with curl, and the authenticated admin route that sets traffic weights (the local canary).
+debugging with curl (converted in serving/rest_api/converters.py), and the authenticated admin route that
+sets traffic weights (the local canary).
 
 The standard library's threading HTTP server is enough here: this port carries probes, scrapes and
 the odd debugging request, not the inference traffic (that is gRPC), and it keeps the image light.
@@ -19,7 +20,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from serving.dataplane import DataPlane
 from serving.errors import InvalidInput, ServingError, Unauthenticated
-from serving.metrics import ServerMetrics
+from serving.observability.metrics import ServerMetrics
+from serving.rest_api.converters import metadata_to_json, request_from_json, response_to_binary, response_to_json
 
 log = logging.getLogger(__name__)
 
@@ -114,14 +116,12 @@ class _Handler(BaseHTTPRequestHandler):
             return _status(plane.model_ready(name, version), "ready")
         if method == "GET" and not rest:
             meta = plane.metadata(name, version)
-            return 200, _json(_metadata_json(meta)), "application/json"
+            return 200, _json(metadata_to_json(meta)), "application/json"
         if method == "POST" and rest == "/infer":
             return self._infer(name, version)
         return 405, _json({"error": f"{method} not allowed on {path}"}), "application/json"
 
     def _infer(self, name: str, version: str) -> tuple[int, bytes, str]:
-        from serving.converters_json import request_from_json, response_to_binary, response_to_json
-
         header = self.headers.get(BINARY_HEADER)
         if header is None:
             request = request_from_json(name, version, self._body())
@@ -191,16 +191,3 @@ def _status(ok: bool, what: str) -> tuple[int, bytes, str]:
 
 def _json(payload: Any) -> bytes:
     return json.dumps(payload, default=str).encode()
-
-
-def _metadata_json(meta: Any) -> dict[str, Any]:
-    def tensors(items: Any) -> list[dict[str, Any]]:
-        return [{"name": t.name, "datatype": t.datatype, "shape": list(t.shape)} for t in items]
-
-    return {
-        "name": meta.name,
-        "versions": list(meta.versions),
-        "platform": meta.platform,
-        "inputs": tensors(meta.inputs),
-        "outputs": tensors(meta.outputs),
-    }

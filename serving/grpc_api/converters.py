@@ -1,39 +1,40 @@
 """KServe V2 / Open Inference Protocol gRPC ModelInferRequest/ModelInferResponse <-> the data plane's
-types (serving/types.py).
+types (serving/types.py): the general path of ModelInfer (serving/grpc_api/fast_infer.py takes the
+common form).
 
 A request that converts has tensors whose data matches their datatype and shape, within the element cap
-(serving/tensor_checks.py); anything else raises ``InvalidInput`` naming the input, what is wrong and
-what was expected. The REST JSON route converts in serving/converters_json.py; metadata, repository
-index, ModelConfig and ModelStatistics in serving/converters_meta.py.
+(the shared checks and raw codec of serving/codec.py); anything else raises ``InvalidInput`` naming the
+input, what is wrong and what was expected. Metadata, repository index, ModelConfig and ModelStatistics
+convert in serving/grpc_api/converters_meta.py; the REST JSON route in serving/rest_api/converters.py.
 
-Wire rules (V2 spec): raw contents are little-endian and row-major, one buffer per tensor; a BYTES
-element is a 4-byte little-endian length then its bytes; raw and typed contents never mix in one
-message; FP16 has no typed field, so it travels raw only.
+Wire rules (V2 spec): raw contents follow serving/codec.py (little-endian, row-major, length-prefixed
+BYTES); raw and typed contents never mix in one message; FP16 has no typed field, so it travels raw only.
 """
 
 from __future__ import annotations
 
-import struct
 from collections.abc import Mapping, MutableMapping, Sequence
 from typing import Any
 
 import numpy as np
 
-from serving.errors import InvalidInput
-from serving.proto import grpc_service_pb2 as pb
-from serving.tensor_checks import (
+from serving.codec import (
     DEFAULT_MAX_ELEMENTS,
     Array,
     Budget,
+    as_bytes,
+    decode_raw,
+    encode_raw,
     flat_output,
     input_datatype,
     input_name,
     object_array,
     requested_output,
 )
+from serving.errors import InvalidInput
+from serving.proto import grpc_service_pb2 as pb
 from serving.types import DATATYPES, InferRequest, InferResponse, Tensor
 
-_LENGTH = struct.Struct("<I")
 # V2 datatype -> the InferTensorContents field that carries it. FP16 is absent: raw only.
 _CONTENTS_FIELD: dict[str, str] = {
     "BOOL": "bool_contents",
@@ -152,49 +153,6 @@ def request_from_proto(msg: pb.ModelInferRequest, max_elements: int = DEFAULT_MA
     )
 
 
-def decode_raw(name: str, datatype: str, shape: tuple[int, ...], count: int, buffer: bytes) -> Array:
-    """One tensor from its raw little-endian bytes (BYTES: 4-byte length + bytes per element), checked."""
-    if datatype == "BYTES":
-        return _bytes_from_raw(name, shape, count, buffer)
-    dtype = DATATYPES[datatype]
-    expected = count * dtype.itemsize
-    if len(buffer) != expected:
-        raise InvalidInput(
-            f"input {name!r}: raw contents are {len(buffer)} bytes; expected {expected} "
-            f"({count} {datatype} elements of {dtype.itemsize} bytes for shape {list(shape)})"
-        )
-    if datatype == "BOOL":
-        # Any non-zero byte is true; a numpy bool holding 2 would compare unequal to True.
-        return np.frombuffer(buffer, dtype=np.uint8).astype(np.bool_).reshape(shape)
-    # Zero-copy and read-only: the array shares the request's bytes.
-    return np.frombuffer(buffer, dtype=dtype.newbyteorder("<")).reshape(shape)
-
-
-def _bytes_from_raw(name: str, shape: tuple[int, ...], count: int, buffer: bytes) -> Array:
-    items, offset, size = [], 0, len(buffer)
-    for index in range(count):
-        if offset + _LENGTH.size > size:
-            raise InvalidInput(
-                f"input {name!r}: raw BYTES contents end after {index} of {count} elements (shape {list(shape)}); "
-                "expected each element as a 4-byte little-endian length followed by its bytes"
-            )
-        (length,) = _LENGTH.unpack_from(buffer, offset)
-        offset += _LENGTH.size
-        if offset + length > size:
-            raise InvalidInput(
-                f"input {name!r}: raw BYTES element {index} declares {length} bytes but {size - offset} remain; "
-                "expected each element as a 4-byte little-endian length followed by its bytes"
-            )
-        items.append(buffer[offset : offset + length])
-        offset += length
-    if offset != size:
-        raise InvalidInput(
-            f"input {name!r}: {size - offset} bytes left over after the {count} BYTES elements of shape "
-            f"{list(shape)}; expected exactly {count} length-prefixed elements"
-        )
-    return object_array(items).reshape(shape)
-
-
 def _from_contents(
     name: str, datatype: str, shape: tuple[int, ...], count: int, contents: pb.InferTensorContents
 ) -> Array:
@@ -252,25 +210,10 @@ def response_to_proto(resp: InferResponse, raw: bool) -> pb.ModelInferResponse:
         if raw:
             msg.raw_output_contents.append(encode_raw(tensor.datatype, flat))
         elif tensor.datatype == "BYTES":
-            out.contents.bytes_contents.extend(_as_bytes(item) for item in flat)
+            out.contents.bytes_contents.extend(as_bytes(item) for item in flat)
         else:
             getattr(out.contents, _CONTENTS_FIELD[tensor.datatype]).extend(flat.tolist())
     return msg
-
-
-def _as_bytes(item: Any) -> bytes:
-    return item.encode() if isinstance(item, str) else bytes(item)
-
-
-def encode_raw(datatype: str, flat: Array) -> bytes:
-    """The raw little-endian bytes of a flat tensor (BYTES: 4-byte length + bytes per element)."""
-    if datatype != "BYTES":
-        return flat.tobytes()
-    parts: list[bytes] = []
-    for item in flat:
-        value = _as_bytes(item)
-        parts += (_LENGTH.pack(len(value)), value)
-    return b"".join(parts)
 
 
 def _fill_parameters(target: MutableMapping[str, pb.InferParameter], params: Mapping[str, Any], where: str) -> None:

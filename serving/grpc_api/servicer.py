@@ -1,7 +1,8 @@
 """The gRPC servicers: KServe V2 ``inference.GRPCInferenceService`` (with Triton's ModelConfig and
 ModelStatistics extensions, so Triton's clients and perf_analyzer work) and the traffic admin service.
-Each method converts, calls the data plane, converts back; errors are mapped by serving/rpc_errors.py.
-ModelInfer takes the fast path of serving/fast_infer.py for requests of the common form."""
+Each method converts (serving/grpc_api/converters.py, converters_meta.py), calls the data plane, converts
+back; errors are mapped by serving/grpc_api/rpc_errors.py. ModelInfer takes the fast path of
+serving/grpc_api/fast_infer.py for requests of the common form."""
 
 from __future__ import annotations
 
@@ -13,11 +14,11 @@ from typing import Any
 
 import grpc
 
-from serving import converters, converters_meta, fast_infer
 from serving.batching import BatcherStats
 from serving.dataplane import DataPlane
 from serving.errors import ModelNotReady, ServingError, Unauthenticated
-from serving.metrics import ServerMetrics
+from serving.grpc_api import converters, converters_meta, fast_infer
+from serving.observability.metrics import ServerMetrics
 from serving.observability.tracing import current_trace_id
 from serving.proto import admin_pb2, admin_pb2_grpc, grpc_service_pb2, grpc_service_pb2_grpc
 

@@ -1,0 +1,225 @@
+"""The serving pods of the Kubernetes manifests (infra/k8s), in every overlay: one namespace, two tracks
+(stable, canary) running the same pod with the canary at zero, ports and probes that fit the drain,
+server settings that are ServingSettings fields, a locked-down security context, the sysctls for many
+gRPC connections, and GPU or MIG resources."""
+
+from __future__ import annotations
+
+import copy
+import re
+
+import pytest
+
+from serving.settings import ServingSettings
+from tests.infra.k8s_manifests import (
+    K8S,
+    MODEL,
+    NAMESPACE,
+    OVERLAYS,
+    Obj,
+    all_containers,
+    build,
+    deployments,
+    kustomize_output,
+    of_kind,
+    one,
+    server,
+    serving_env,
+)
+
+README = K8S / "README.md"
+MIG_RESOURCE = "nvidia.com/mig-1g.10gb"
+CACHE_DIR = "/var/cache/sluicegate"
+SETTINGS_PREFIX = "SLUICEGATE_SERVING__"
+# Kubernetes' safe sysctls (kubelet pkg/kubelet/sysctl/safe_sysctls.go, 1.32+); any other sysctl needs
+# the kubelet's --allowed-unsafe-sysctls, which infra/k8s/README.md must say.
+SAFE_SYSCTLS = {
+    "kernel.shm_rmid_forced",
+    "net.ipv4.ip_local_port_range",
+    "net.ipv4.tcp_syncookies",
+    "net.ipv4.ping_group_range",
+    "net.ipv4.ip_unprivileged_port_start",
+    "net.ipv4.ip_local_reserved_ports",
+    "net.ipv4.tcp_keepalive_time",
+    "net.ipv4.tcp_fin_timeout",
+    "net.ipv4.tcp_keepalive_intvl",
+    "net.ipv4.tcp_keepalive_probes",
+    "net.ipv4.tcp_rmem",
+    "net.ipv4.tcp_wmem",
+}
+SYSCTLS = {"net.ipv4.ip_local_port_range": "1024 65535", "net.ipv4.tcp_fin_timeout": "15", "net.ipv4.tcp_tw_reuse": "1"}
+CLUSTER_SCOPED = {"Namespace"}
+
+
+# --- properties of every overlay --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_everything_lives_in_the_serving_namespace(overlay: str) -> None:
+    objects = build(overlay)
+    namespaces = of_kind(objects, "Namespace")
+    assert [ns["metadata"]["name"] for ns in namespaces] == [NAMESPACE]
+    misplaced = [
+        f"{obj['kind']}/{obj['metadata']['name']}: {obj['metadata'].get('namespace')}"
+        for obj in objects
+        if obj["kind"] not in CLUSTER_SCOPED and obj["metadata"].get("namespace") != NAMESPACE
+    ]
+    assert not misplaced, f"not in {NAMESPACE}: {misplaced}"
+    for binding in of_kind(objects, "RoleBinding"):
+        assert all(s.get("namespace") == NAMESPACE for s in binding["subjects"] if s["kind"] == "ServiceAccount")
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_two_tracks_with_the_canary_scaled_to_zero(overlay: str) -> None:
+    tracks = deployments(build(overlay))
+    for track, deployment in tracks.items():
+        selector = deployment["spec"]["selector"]["matchLabels"]
+        assert selector == {"app.kubernetes.io/name": MODEL, "sluicegate.io/track": track}
+        for labels in (deployment["metadata"]["labels"], deployment["spec"]["template"]["metadata"]["labels"]):
+            assert labels["app.kubernetes.io/name"] == MODEL
+            assert labels["sluicegate.io/track"] == track
+            assert re.fullmatch(r"[0-9]+", labels["sluicegate.io/model-version"])
+        assert "sluicegate.io/model-version" not in selector, "the version changes; a selector cannot"
+        version = deployment["metadata"]["labels"]["sluicegate.io/model-version"]
+        env = {e["name"]: e for e in server(deployment)["env"]}
+        assert env["SLUICEGATE_SERVING__REPOSITORY"]["value"] == f"models:/{MODEL}/{version}"
+    assert tracks["canary"]["spec"]["replicas"] == 0
+    assert "replicas" not in tracks["stable"]["spec"], "the HorizontalPodAutoscaler owns stable's replicas"
+
+
+def _without_track(deployment: Obj) -> Obj:
+    template = copy.deepcopy(deployment["spec"]["template"])
+    template["metadata"]["labels"].pop("sluicegate.io/track")
+    for constraint in template["spec"].get("topologySpreadConstraints", []):
+        constraint["labelSelector"]["matchLabels"].pop("sluicegate.io/track")
+    return template  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_stable_and_canary_run_the_same_pod(overlay: str) -> None:
+    tracks = deployments(build(overlay))
+    assert _without_track(tracks["stable"]) == _without_track(tracks["canary"]), (
+        "deployment-stable.yaml and deployment-canary.yaml drifted apart"
+    )
+    assert tracks["stable"]["spec"]["strategy"] == tracks["canary"]["spec"]["strategy"]
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_ports_and_probes(overlay: str) -> None:
+    settings = ServingSettings()
+    objects = build(overlay)
+    for deployment in deployments(objects).values():
+        container = server(deployment)
+        ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+        assert ports == {"grpc": settings.grpc_port, "http": settings.http_port} == {"grpc": 8001, "http": 8000}
+        probes = {kind: container[kind] for kind in ("startupProbe", "livenessProbe", "readinessProbe")}
+        paths = {kind: (p["httpGet"]["path"], p["httpGet"]["port"]) for kind, p in probes.items()}
+        assert paths == {
+            "startupProbe": ("/health/live", "http"),
+            "livenessProbe": ("/health/live", "http"),
+            "readinessProbe": ("/health/ready", "http"),
+        }
+        startup = probes["startupProbe"]
+        assert startup["failureThreshold"] * startup["periodSeconds"] >= 600, "10 minutes for engine warm-up"
+        grace = deployment["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+        pre_stop = container["lifecycle"]["preStop"]["sleep"]["seconds"]
+        drain = float(serving_env(objects, deployment)["SLUICEGATE_SERVING__DRAIN_TIMEOUT_S"])
+        assert pre_stop + drain < grace, "the drain must finish before the kubelet kills the pod"
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_the_image_cmd_cannot_override_the_repository(overlay: str) -> None:
+    """The image's CMD is `--repo /models`, a flag that would beat the env the controller patches."""
+    for name, container in all_containers(build(overlay)):
+        assert container["command"] == ["python3", "-m", "serving"], name
+        assert "--repo" not in container.get("args", []), name
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_server_settings_are_fields_the_server_reads(overlay: str) -> None:
+    """Each SLUICEGATE_SERVING__* variable names a ServingSettings field and parses as one (the server
+    forbids unknown fields only in its constructor; a typoed variable would be silently ignored)."""
+    objects = build(overlay)
+    for deployment in deployments(objects).values():
+        container = server(deployment)
+        names = {e["name"] for e in container["env"]} | set(serving_env(objects, deployment))
+        fields = {name.removeprefix(SETTINGS_PREFIX).lower() for name in names if name.startswith(SETTINGS_PREFIX)}
+        unknown = fields - set(ServingSettings.model_fields)
+        assert not unknown, f"not ServingSettings fields: {sorted(unknown)}"
+        values = {
+            name.removeprefix(SETTINGS_PREFIX).lower(): value
+            for name, value in serving_env(objects, deployment).items()
+            if name.startswith(SETTINGS_PREFIX)
+        }
+        settings = ServingSettings.model_validate(values)
+        assert settings.host == "0.0.0.0"
+        assert str(settings.cache_dir) == CACHE_DIR
+        assert settings.repository.startswith(f"models:/{MODEL}")
+        token = next(e for e in container["env"] if e["name"] == "SLUICEGATE_SERVING__ADMIN_TOKEN")
+        assert "secretKeyRef" in token["valueFrom"], "the admin token comes from a Secret"
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_pods_run_locked_down(overlay: str) -> None:
+    for deployment in deployments(build(overlay)).values():
+        pod = deployment["spec"]["template"]["spec"]
+        assert pod["automountServiceAccountToken"] is False
+        assert pod["serviceAccountName"] == MODEL
+        pod_security = pod["securityContext"]
+        assert pod_security["runAsNonRoot"] is True
+        assert pod_security["runAsUser"] == 10001
+        assert pod_security["seccompProfile"] == {"type": "RuntimeDefault"}
+        container = server(deployment)
+        security = container["securityContext"]
+        assert security["runAsNonRoot"] is True
+        assert security["runAsUser"] == 10001
+        assert security["allowPrivilegeEscalation"] is False
+        assert security["readOnlyRootFilesystem"] is True
+        assert security["capabilities"] == {"drop": ["ALL"]}
+        assert security["seccompProfile"] == {"type": "RuntimeDefault"}
+        mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        cache_volume = volumes[mounts[CACHE_DIR]]
+        assert "emptyDir" in cache_volume or "persistentVolumeClaim" in cache_volume
+        assert not any(m.get("readOnly") for m in container["volumeMounts"] if m["mountPath"] == CACHE_DIR)
+        assert "/tmp" in mounts, "a writable /tmp on the read-only root"
+        resources = container["resources"]
+        for key in ("cpu", "memory"):
+            assert key in resources["requests"] and key in resources["limits"], key
+    service_account = one(build(overlay), "ServiceAccount", MODEL)
+    assert service_account["automountServiceAccountToken"] is False
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_sysctls_for_many_grpc_connections(overlay: str) -> None:
+    readme = README.read_text()
+    for deployment in deployments(build(overlay)).values():
+        sysctls = {s["name"]: s["value"] for s in deployment["spec"]["template"]["spec"]["securityContext"]["sysctls"]}
+        assert sysctls == SYSCTLS
+        for name in set(sysctls) - SAFE_SYSCTLS:
+            assert name in readme and "--allowed-unsafe-sysctls" in readme, (
+                f"{name} is not a safe sysctl: infra/k8s/README.md must say how to allow it"
+            )
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_gpu_resources(overlay: str) -> None:
+    for name, container in all_containers(build(overlay)):
+        resources = container["resources"]
+        for part in ("requests", "limits"):
+            gpus = {k: v for k, v in resources[part].items() if k.startswith("nvidia.com/")}
+            if overlay == "mig":
+                assert gpus == {MIG_RESOURCE: 1}, f"{name} {part}: {gpus}"
+            else:
+                assert gpus == {"nvidia.com/gpu": 1}, f"{name} {part}: {gpus}"
+
+
+def test_mig_overlay_pins_mig_nodes_and_asks_no_full_gpu() -> None:
+    objects = build("mig")
+    built = kustomize_output("mig")
+    assert not re.search(r"^\s*nvidia\.com/gpu:\s", built, re.MULTILINE), "a full-GPU request is left"
+    for deployment in deployments(objects).values():
+        assert deployment["spec"]["template"]["spec"]["nodeSelector"] == {"nvidia.com/mig.config": "all-1g.10gb"}
+    for overlay in ("plain", "istio"):
+        for deployment in deployments(build(overlay)).values():
+            assert "nodeSelector" not in deployment["spec"]["template"]["spec"]
