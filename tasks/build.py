@@ -60,6 +60,7 @@ class Converted:
     onnx_path: Path
     onnx_sha256: str
     engine_path: Path | None
+    engine_reason: str  # why an engine was or was not built (no GPU, no TensorRT, disabled, ...)
 
 
 def load_training_data(settings: Settings, source: DatasetSource, manifest: bytes) -> TrainingData:
@@ -123,16 +124,20 @@ def convert(settings: Settings, trained: Trained) -> Converted:
     onnx_path = trained.workdir / "model.onnx"
     sha = export_onnx(trained.model, trained.val_batch[:1], onnx_path, opset=conv.opset)
     verdict = parity(trained.model, onnx_path, trained.val_batch, atol=conv.parity_atol)
-    skipped = "built when a GPU exists"
     if conv.tensorrt == "off":
-        engine_check, engine_path = Check("tensorrt engine", "skipped: disabled by settings", skipped, True), None
+        reason = "disabled by settings"
+        engine_check, engine_path = Check("tensorrt engine", f"skipped: {reason}", _WHEN_GPU, True), None
     else:
-        engine_check, engine_path = _tensorrt(settings, trained, onnx_path)
+        engine_check, engine_path, reason = _tensorrt(settings, trained, onnx_path)
     metrics = {**verdict.metrics, "onnx_sha256": sha}
-    return Converted(GateVerdict("convert", (*verdict.checks, engine_check), metrics), onnx_path, sha, engine_path)
+    checks = GateVerdict("convert", (*verdict.checks, engine_check), metrics)
+    return Converted(checks, onnx_path, sha, engine_path, reason)
 
 
-def _tensorrt(settings: Settings, trained: Trained, onnx_path: Path) -> tuple[Check, Path | None]:
+_WHEN_GPU = "built when a GPU exists"
+
+
+def _tensorrt(settings: Settings, trained: Trained, onnx_path: Path) -> tuple[Check, Path | None, str]:
     import numpy as np
     import torch
 
@@ -153,11 +158,12 @@ def _tensorrt(settings: Settings, trained: Trained, onnx_path: Path) -> tuple[Ch
         atol=conv.parity_atol,
     )
     if not outcome.built:
-        return Check("tensorrt engine", f"skipped: {outcome.reason}", "built when a GPU exists", True), None
+        return Check("tensorrt engine", f"skipped: {outcome.reason}", _WHEN_GPU, True), None, outcome.reason
     bound = conv.fp16_atol if conv.fp16 else conv.parity_atol
     diff = outcome.parity_max_abs_diff
     ok = diff is not None and diff <= bound
-    return Check(f"tensorrt parity ({outcome.precision})", diff, f"<= {bound:g}", ok, outcome.reason), outcome.path
+    check = Check(f"tensorrt parity ({outcome.precision})", diff, f"<= {bound:g}", ok, outcome.reason)
+    return check, outcome.path, outcome.reason
 
 
 def repository_root(settings: Settings) -> Path:

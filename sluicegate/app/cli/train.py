@@ -38,6 +38,8 @@ def train_command(
             _require(build.gate_training(settings, trained, []))
             converted = build.convert(settings, trained)
             _require(converted.verdict)
+            built = "built" if converted.engine_path is not None else "skipped"
+            console.print(f"TensorRT engine: {built} ({converted.engine_reason})")
             code = ids.code_version(baked=settings.code_commit)
             data_version = ids.data_version(manifest)
             version = build.version_name(settings, code, data_version)
