@@ -169,9 +169,9 @@ def trt_version() -> str:
 
 def gpu_name(device: int = 0) -> str:
     """The CUDA device's name as the engine key records it (cuda-python, as the TensorRT runtime uses)."""
-    from serving.runtimes.tensorrt import _import_backends
+    from serving.runtimes.tensorrt import import_backends
 
-    _, cudart = _import_backends()
+    _, cudart = import_backends()
     error, properties = cudart.cudaGetDeviceProperties(device)
     if int(error) != 0:
         raise RuntimeError(f"cudaGetDeviceProperties({device}) failed: {error}")
@@ -194,9 +194,9 @@ def cached_engine(
     """
     from serving.errors import RuntimeFailure
     from serving.model_format import sha256_file
-    from serving.runtimes.tensorrt import _import_backends
+    from serving.runtimes.tensorrt import import_backends
 
-    _import_backends()  # RuntimeFailure("tensorrt unavailable: ...") before any work
+    import_backends()  # RuntimeFailure("tensorrt unavailable: ...") before any work
     precision = "fp16" if fp16 and fast_fp16() else "fp32"
     profile = batch_profile(max_batch_size)
     key = engine_key(sha256_file(onnx_path), trt_version(), gpu_name(), precision, profile)

@@ -75,7 +75,7 @@ class TensorRTRuntime:
     name = "tensorrt"
 
     def __init__(self, plan_path: Path, *, device: int = 0, max_contexts: int = 4) -> None:
-        self._trt, self._cudart = _import_backends()
+        self._trt, self._cudart = import_backends()
         self._device = device
         self._lock = threading.Condition()  # guards _free and _closed; notified when a slot comes back
         self._slots: list[_Slot] = []
@@ -316,7 +316,7 @@ class TensorRTRuntime:
         self._trt_runtime = None
 
 
-def _import_backends() -> tuple[Any, Any]:
+def import_backends() -> tuple[Any, Any]:
     """``(tensorrt, cudart)``, or RuntimeFailure("tensorrt unavailable: ...") naming what is missing."""
     try:
         import tensorrt as trt

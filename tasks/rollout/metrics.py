@@ -70,7 +70,9 @@ def histogram_quantile(q: float, buckets: Iterable[tuple[float, float]]) -> floa
 
 
 @dataclass(frozen=True)
-class _Snapshot:
+class ScrapeSnapshot:
+    """The counters of one model read from the servers' ``/metrics`` at one moment (summed over servers)."""
+
     requests: dict[tuple[str, str], float] = field(default_factory=dict)  # (version, code) -> count
     buckets: dict[tuple[str, float], float] = field(default_factory=dict)  # (version, le) -> cumulative count
     collapsed: dict[str, bool] = field(default_factory=dict)
@@ -91,7 +93,7 @@ class ScrapeSource:
         # One client for the source's life: building one per call cost 50-100 ms here (benchmarks).
         self._http = httpx.Client(timeout=timeout_s)
 
-    def begin(self, model: str) -> _Snapshot:
+    def begin(self, model: str) -> ScrapeSnapshot:
         return self._scrape(model)
 
     def read(self, model: str, version: str, since: Any, checks: Sequence[CustomCheck] = ()) -> VersionMetrics:
@@ -118,18 +120,19 @@ class ScrapeSource:
             latency_buckets=tuple(sorted(buckets)),
         )
 
-    def _scrape(self, model: str) -> _Snapshot:
-        snapshot = _Snapshot()
+    def _scrape(self, model: str) -> ScrapeSnapshot:
+        snapshot = ScrapeSnapshot()
         for url in self.urls:
             try:
                 text = self._http.get(url).raise_for_status().text
             except httpx.HTTPError as exc:
                 raise MetricsError(f"cannot scrape {url}: {exc}; is the model server running?") from exc
-            _add(snapshot, model, text)
+            add_exposition(snapshot, model, text)
         return snapshot
 
 
-def _add(snapshot: _Snapshot, model: str, text: str) -> None:
+def add_exposition(snapshot: ScrapeSnapshot, model: str, text: str) -> None:
+    """Add the samples of ``model`` in one Prometheus text exposition to ``snapshot`` (other models ignored)."""
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             labels = sample.labels

@@ -15,7 +15,7 @@ import pytest
 from serving.runtimes import LoadOptions, load_runtime
 from serving.runtimes.engine_cache import EngineCache, batch_profile, engine_key
 from tests.fixtures.models import SPEC, resnet
-from tests.serving.test_runtimes import _gpu_tensorrt, batch, expected, version_with
+from tests.serving.test_runtimes import batch, expected, gpu_tensorrt_missing, version_with
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +74,7 @@ def test_the_key_follows_everything_an_engine_depends_on() -> None:
     assert batch_profile(8) == (1, 4, 8) and batch_profile(1) == (1, 1, 1)
 
 
-@pytest.mark.skipif(not _gpu_tensorrt(), reason="TensorRT is installed here: the CPU-host case does not apply")
+@pytest.mark.skipif(not gpu_tensorrt_missing(), reason="TensorRT is installed here: the CPU-host case does not apply")
 def test_without_tensorrt_an_onnx_only_version_serves_on_onnxruntime(tmp_path: Path, onnx_file: Path) -> None:
     path, cfg = version_with(tmp_path, {"model.onnx": onnx_file})
     lookups: list[bool] = []
@@ -89,7 +89,7 @@ def test_without_tensorrt_an_onnx_only_version_serves_on_onnxruntime(tmp_path: P
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(bool(_gpu_tensorrt()), reason=_gpu_tensorrt() or "runs")
+@pytest.mark.skipif(bool(gpu_tensorrt_missing()), reason=gpu_tensorrt_missing() or "runs")
 def test_the_server_builds_an_engine_from_onnx_and_hits_the_cache_next_time(tmp_path: Path, onnx_file: Path) -> None:
     path, cfg = version_with(tmp_path, {"model.onnx": onnx_file})
     lookups: list[bool] = []

@@ -435,7 +435,7 @@ def test_tensorrt_unavailable_names_what_is_missing(tmp_path: Path, monkeypatch:
         TensorRTRuntime(plan)
 
 
-def _gpu_tensorrt() -> str:
+def gpu_tensorrt_missing() -> str:
     """Why the real TensorRT test cannot run here ("" when it can)."""
     try:
         import tensorrt  # noqa: F401
@@ -455,7 +455,7 @@ def _gpu_tensorrt() -> str:
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(bool(_gpu_tensorrt()), reason=_gpu_tensorrt() or "runs")
+@pytest.mark.skipif(bool(gpu_tensorrt_missing()), reason=gpu_tensorrt_missing() or "runs")
 def test_tensorrt_runs_an_engine_like_onnxruntime(tmp_path: Path, onnx_file: Path) -> None:
     from tasks.conversion import build_tensorrt_engine
 

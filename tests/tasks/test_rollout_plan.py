@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from tasks.rollout.metrics import ScrapeSource, _add, _Snapshot, histogram_quantile
+from tasks.rollout.metrics import ScrapeSnapshot, ScrapeSource, add_exposition, histogram_quantile
 from tasks.rollout.plan import (
     CustomCheck,
     RolloutPlan,
@@ -127,15 +127,15 @@ def test_histogram_quantile_matches_prometheus_rules() -> None:
 
 
 def test_scrape_snapshots_difference_per_version() -> None:
-    before, after = _Snapshot(), _Snapshot()
+    before, after = ScrapeSnapshot(), ScrapeSnapshot()
     template = (
         'sluicegate_inference_requests_total{{model="m",version="{v}",code="{c}"}} {n}\n'
         'sluicegate_inference_request_duration_seconds_bucket{{model="m",version="{v}",le="0.01"}} {n}\n'
         'sluicegate_inference_request_duration_seconds_bucket{{model="m",version="{v}",le="+Inf"}} {n}\n'
     )
-    _add(before, "m", template.format(v="2", c="OK", n=10) + template.format(v="2", c="INTERNAL", n=1))
-    _add(after, "m", template.format(v="2", c="OK", n=40) + template.format(v="2", c="INTERNAL", n=4))
-    _add(after, "other", template.format(v="2", c="OK", n=999))  # another model: ignored
+    add_exposition(before, "m", template.format(v="2", c="OK", n=10) + template.format(v="2", c="INTERNAL", n=1))
+    add_exposition(after, "m", template.format(v="2", c="OK", n=40) + template.format(v="2", c="INTERNAL", n=4))
+    add_exposition(after, "other", template.format(v="2", c="OK", n=999))  # another model: ignored
     assert after.requests[("2", "OK")] == 40 and after.requests[("2", "INTERNAL")] == 4
     assert ScrapeSource(["http://127.0.0.1:9/metrics"]).urls == ["http://127.0.0.1:9/metrics"]
 
