@@ -180,3 +180,31 @@ def test_a_planted_cycle_and_a_wrong_way_import_are_reported_with_both_files(tmp
     assert cycles(modules, edges) == [["tasks/a_planted.py", "tasks/b_planted.py"]]
     [problem] = wrong_way(modules, edges)
     assert problem.startswith("tasks/b_planted.py:4 (tasks) imports flows/pipeline.py (flows)")
+
+
+def private_imports(paths: list[Path], ours: tuple[str, ...], root: Path = ROOT) -> list[str]:
+    """``from our.module import _name``: a private name used outside its module."""
+    found = []
+    for path in paths:
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").split(".")[0] in ours:
+                for alias in node.names:
+                    if alias.name.startswith("_") and not alias.name.startswith("__"):
+                        found.append(f"{path.relative_to(root)}:{node.lineno} imports {node.module}.{alias.name}")
+    return found
+
+
+def test_no_module_imports_another_modules_private_names() -> None:
+    ours = (*PACKAGES, "tests", "benchmarks")
+    paths = [p for top in ours for p in (ROOT / top).rglob("*.py") if not p.name.endswith(GENERATED)]
+    found = private_imports(paths, ours)
+    assert not found, "private names imported across modules (make them public or keep them home):\n" + "\n".join(found)
+
+
+def test_a_planted_private_import_is_reported(tmp_path: Path) -> None:
+    planted = tmp_path / "tests" / "planted.py"
+    planted.parent.mkdir()
+    planted.write_text("from tasks.rollout.metrics import _hidden, histogram_quantile\nfrom x import _fine\n")
+    assert private_imports([planted], ("tasks",), root=tmp_path) == [
+        "tests/planted.py:1 imports tasks.rollout.metrics._hidden"
+    ]
