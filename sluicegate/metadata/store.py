@@ -157,8 +157,8 @@ class MetadataStore:
     @classmethod
     @contextmanager
     def unchecked(cls, url: str) -> Iterator[MetadataStore]:
-        """A store on ``url`` whatever its schema, disposed on the way out: only for the schema commands
-        (``sluicegate db upgrade|downgrade|current``), which work on a store that is not current yet."""
+        """A store on ``url`` whatever its schema, disposed on the way out: only for what brings a schema up
+        to date (``sluicegate db upgrade|downgrade|current``, the embedded stack's start)."""
         store = cls(url)
         try:
             yield store

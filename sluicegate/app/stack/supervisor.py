@@ -150,18 +150,15 @@ def _provision(settings: Settings) -> Callable[[], None]:
 def _upgrade_metadata(settings: Settings) -> Callable[[], None]:
     """Bring the metadata schema to this code's head before the bridge starts.
 
-    This step creates or upgrades the schema, so it opens the store itself: ``MetadataStore.checked``
+    This step creates or upgrades the schema, so it opens the store unchecked: ``MetadataStore.checked``
     would refuse the empty or outdated schema this step exists to fix.
     """
 
     def run() -> None:
         from sluicegate.metadata import MetadataStore
 
-        store = MetadataStore(settings.metadata_url)
-        try:
+        with MetadataStore.unchecked(settings.metadata_url) as store:
             store.upgrade()
-        finally:
-            store.dispose()
 
     return run
 
