@@ -7,6 +7,7 @@ BENCHMARKS = (
     "benchmarks.event_latency",
     "benchmarks.data_gate_throughput",
     "benchmarks.training_throughput",
+    "benchmarks.real_datasets",
     "benchmarks.serving_throughput",
     "benchmarks.observability_overhead",
     "benchmarks.rollout_time",

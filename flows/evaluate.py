@@ -24,6 +24,7 @@ from tasks.verdicts import Check, GateVerdict
 
 if TYPE_CHECKING:
     from flows.run_context import RunContext
+    from tasks.baselines import Baselines
     from tasks.evaluation import Evaluation
     from tasks.registry import RegistryVersion
 
@@ -37,16 +38,19 @@ class Evaluated:
     verdict: GateVerdict
     evaluations: list[Evaluation]  # candidate first, then the champion when it could be evaluated
     champion: RegistryVersion | None
+    baselines: Baselines | None = None  # None when nothing was measured (the champion could not be loaded)
 
 
 def _evaluate(settings: Settings, dataset: ResolvedDataset, manifest: bytes, candidate_dir: Path) -> Evaluated:
     from tasks import registry
+    from tasks.baselines import baselines, load_split_thumbnails, with_baselines
     from tasks.eval_gate import eval_gate, only_latency_failed
     from tasks.evaluation import EvalOptions, evaluate, load_test_split, model_under_test
 
     rules = settings.eval_gate
+    source = source_of(settings, dataset)
     images, labels = load_test_split(
-        source_of(settings, dataset),
+        source,
         manifest,
         limit=rules.max_images,
         concurrency=settings.data_gate.read_concurrency,
@@ -79,8 +83,13 @@ def _evaluate(settings: Settings, dataset: ResolvedDataset, manifest: bytes, can
         evaluations = evaluate(models, images, labels, options, remeasure=partial(only_latency_failed, rules=rules))
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+    # The baselines are scored on the very test images the candidate was, so the comparison is exact.
+    train_images, train_labels = load_split_thumbnails(
+        source, manifest, "train", size=rules.baseline_size, concurrency=settings.data_gate.read_concurrency
+    )
+    found = baselines(train_images, train_labels, images, labels, models[0].labels, size=rules.baseline_size)
     verdict = eval_gate(evaluations[0], evaluations[1] if len(evaluations) > 1 else None, rules)
-    return Evaluated(verdict, evaluations, champion)
+    return Evaluated(with_baselines(verdict, evaluations[0], found, rules), evaluations, champion, found)
 
 
 @dataclass(frozen=True)
@@ -99,10 +108,13 @@ def _publish(run: RunContext, evaluated: Evaluated, candidate: RegistryVersion) 
     evaluations, verdict = evaluated.evaluations, evaluated.verdict
     report = EvaluationReport(None, None)
     if evaluations:
-        images = _log_evaluations(run, evaluations)
+        images = _log_evaluations(run, evaluations, evaluated.baselines)
         _log_model_card(run, evaluated, candidate)
         markdown = _eval_markdown(run, evaluated, images)
-        report = EvaluationReport(markdown, {"evaluations": {"evaluations": [e.to_dict() for e in evaluations]}})
+        evidence: dict[str, Any] = {"evaluations": [e.to_dict() for e in evaluations]}
+        if evaluated.baselines is not None:
+            evidence["baselines"] = evaluated.baselines.to_dict()
+        report = EvaluationReport(markdown, {"evaluations": evidence})
         create_image_artifact(
             image_url=images["confusion matrix"],
             key=artifact_key("eval-confusion-matrix", run.pinned),
@@ -115,8 +127,9 @@ def _publish(run: RunContext, evaluated: Evaluated, candidate: RegistryVersion) 
     return report
 
 
-def _log_evaluations(run: RunContext, evaluations: list[Evaluation]) -> dict[str, str]:
-    """Confusion-matrix and calibration plots and every evaluation's metrics; returns the plots' URLs."""
+def _log_evaluations(run: RunContext, evaluations: list[Evaluation], found: Baselines | None) -> dict[str, str]:
+    """Confusion-matrix and calibration plots, every evaluation's metrics and the baselines' beside them;
+    returns the plots' URLs."""
     from tasks import eval_report
 
     tracker = tracking.client(run.settings.mlflow.url)
@@ -130,6 +143,9 @@ def _log_evaluations(run: RunContext, evaluations: list[Evaluation]) -> dict[str
     for evaluation in evaluations:
         for name, value in _flat_metrics(evaluation).items():
             tracker.log_metric(run.tracked, f"eval.{evaluation.role}.{name}", value)
+    if found is not None:
+        for name, value in _baseline_metrics(found).items():
+            tracker.log_metric(run.tracked, name, value)
     return images
 
 
@@ -150,6 +166,7 @@ def _log_model_card(run: RunContext, evaluated: Evaluated, candidate: RegistryVe
         intended_use=settings.model.intended_use,
         labels=evaluations[0].model_labels,
         train_images=len(labelled_rows(run.manifest, "train")),
+        baselines=evaluated.baselines,
     )
     tracking.client(settings.mlflow.url).log_text(run.tracked, card, MODEL_CARD)
 
@@ -158,7 +175,9 @@ def _eval_markdown(run: RunContext, evaluated: Evaluated, images: dict[str, str]
     from tasks import eval_report
 
     context = dataset_context(run.pinned)
-    return eval_report.eval_markdown(evaluated.verdict, evaluated.evaluations, context=context, images=images)
+    return eval_report.eval_markdown(
+        evaluated.verdict, evaluated.evaluations, context=context, images=images, baselines=evaluated.baselines
+    )
 
 
 def _flat_metrics(evaluation: Evaluation) -> dict[str, float]:
@@ -167,6 +186,15 @@ def _flat_metrics(evaluation: Evaluation) -> dict[str, float]:
         out[f"p50_ms_b{entry.batch_size}"] = entry.p50_ms
         out[f"p95_ms_b{entry.batch_size}"] = entry.p95_ms
     return out
+
+
+def _baseline_metrics(found: Baselines) -> dict[str, float]:
+    """The baselines' numeric figures under the verdict's metric names (MLflow metrics are numbers)."""
+    return {
+        name: float(value)
+        for name, value in found.metrics().items()
+        if isinstance(value, int | float) and not isinstance(value, bool)
+    }
 
 
 def _log_bytes(tracker: Any, run_id: str, path: str, data: bytes) -> None:

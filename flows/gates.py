@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from flows.wrappers import stage
 from sluicegate.settings import Settings
@@ -11,6 +11,8 @@ from tasks.datasets import ResolvedDataset
 from tasks.verdicts import GateVerdict
 
 if TYPE_CHECKING:
+    from serving.preprocessing import PreprocessSpec
+    from tasks.dataset_gates import DataGateOutcome, DataShape
     from tasks.dataset_source import S3Source
 
 
@@ -22,25 +24,37 @@ def source_of(settings: Settings, dataset: ResolvedDataset) -> S3Source:
     return pinned_source(storage.s3_client(settings), dataset)
 
 
-def _data_gate(
-    settings: Settings, dataset: ResolvedDataset, manifest: bytes
-) -> tuple[GateVerdict, dict[str, Any], dict[str, Any]]:
-    """Returns (verdict, GX validation result, channel baseline for the drift monitor)."""
+def _data_gate(settings: Settings, dataset: ResolvedDataset, manifest: bytes) -> DataGateOutcome:
+    """The verdict, GX validation result, channel baseline (drift monitor) and the images' shape."""
     from tasks.champion import find_champion
     from tasks.dataset_gates import check_data
 
     champion = find_champion(settings.mlflow.url, settings.model.name)
-    outcome = check_data(settings, source_of(settings, dataset), manifest, champion=champion)
-    return outcome.verdict, outcome.validation, outcome.baseline
+    return check_data(settings, source_of(settings, dataset), manifest, champion=champion)
 
 
-def _feature_gate(settings: Settings, dataset: ResolvedDataset, manifest: bytes) -> GateVerdict:
+def _candidate(settings: Settings, shape: DataShape | None) -> tuple[PreprocessSpec, PreprocessSpec | None]:
+    """(the candidate's preprocessing, the champion's): the candidate keeps the champion's input unless
+    the model's settings say otherwise; a model's first version fits its data."""
     from tasks.champion import find_champion
-    from tasks.dataset_gates import champion_spec, check_features
+    from tasks.dataset_gates import candidate_spec, champion_spec
 
     reference = champion_spec(settings, find_champion(settings.mlflow.url, settings.model.name))
-    return check_features(settings, source_of(settings, dataset), manifest, reference=reference)
+    return candidate_spec(settings, champion=reference, data=shape), reference
+
+
+def _feature_gate(
+    settings: Settings,
+    dataset: ResolvedDataset,
+    manifest: bytes,
+    candidate: PreprocessSpec,
+    reference: PreprocessSpec | None,
+) -> GateVerdict:
+    from tasks.dataset_gates import check_features
+
+    return check_features(settings, source_of(settings, dataset), manifest, reference=reference, candidate=candidate)
 
 
 data_gate = stage(_data_gate, "data-gate")
+candidate_preprocessing = stage(_candidate, "candidate-preprocessing")
 feature_gate = stage(_feature_gate, "feature-gate")

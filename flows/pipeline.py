@@ -24,11 +24,10 @@ from flows import gates
 from flows import train as train_flow
 from flows.run_context import RunContext
 from flows.wrappers import stage
-from sluicegate import ids
+from sluicegate import ids, model_specs
 from sluicegate.settings import Settings
 from tasks import datasets, registry, tracking
 from tasks.champion import PREPROCESSING_ARTIFACT
-from tasks.dataset_gates import candidate_spec
 
 if TYPE_CHECKING:
     from sluicegate.metadata import MetadataStore
@@ -150,9 +149,18 @@ def pin_dataset(run: RunContext, bucket: str, key: str, version_id: str) -> None
     dataset, run.manifest = resolve_dataset(settings, bucket, key, version_id or None)
     run.dataset = dataset
     run.note("resolve dataset", "passed", f"{len(dataset.objects)} objects pinned")
+    # From here on every stage sees the dataset's model: its name, and its spec's settings.
+    choice = model_specs.model_for_dataset(settings, dataset.name)
+    settings = run.settings = model_specs.settings_for_model(settings, choice.name, choice.spec)
+    run.note("model", choice.name, "from its model spec" if choice.spec is not None else "named after the dataset")
     _label_run(
         f"pipeline/{dataset.name}@{dataset.data7}",
-        [f"dataset:{dataset.name}", f"data:{dataset.data7}", f"code:{run.code.commit[:7]}"],
+        [
+            f"dataset:{dataset.name}",
+            f"model:{choice.name}",
+            f"data:{dataset.data7}",
+            f"code:{run.code.commit[:7]}",
+        ],
     )
     run.dataset_version_id = record_dataset(run.store, run.run_id, dataset)
     run.mlflow_run_id = track_run(
@@ -166,19 +174,34 @@ def pin_dataset(run: RunContext, bucket: str, key: str, version_id: str) -> None
         code=run.code,
     )
     record_mlflow(run.store, run.run_id, run.mlflow_run_id)
+    tag_model(settings.mlflow.url, run.mlflow_run_id, choice.name, choice.spec)
     run.note("lineage", "recorded", f"MLflow run {run.mlflow_run_id}")
-    # What the candidate is fed: champions found later through the registry are compared with this.
-    spec = candidate_spec(settings).to_dict()
-    log_json(settings.mlflow.url, run.mlflow_run_id, spec, PREPROCESSING_ARTIFACT)
+
+
+def _tag_model(tracking_uri: str, mlflow_run_id: str, model: str, spec: model_specs.ModelSpec | None) -> None:
+    """The run's model and, when a spec chose it, the spec itself (what overrode the settings)."""
+    tracker = tracking.client(tracking_uri)
+    tracker.set_tag(mlflow_run_id, "sluicegate.model", model)
+    if spec is not None:
+        tracker.log_dict(mlflow_run_id, spec.model_dump(mode="json"), "model_spec.json")
+
+
+tag_model = stage(_tag_model, "mlflow-model-tags")
 
 
 def check_dataset(run: RunContext) -> dict[str, Any]:
-    """Gates 1 and 2; returns the channel baseline the served model's drift monitor compares with."""
-    verdict, validation, baseline = gates.data_gate(run.settings, run.pinned, run.manifest)
-    run.gate("data gate", verdict, evidence={"gx_validation": validation})
-    log_json(run.settings.mlflow.url, run.tracked, baseline, "dataset/channel_baseline.json")
-    run.gate("feature gate", gates.feature_gate(run.settings, run.pinned, run.manifest))
-    return baseline
+    """Gates 1 and 2; returns the channel baseline the served model's drift monitor compares with.
+
+    Between them the candidate's preprocessing is chosen (the data's shape is known once gate 1 read
+    every image) and recorded: champions found later through the registry are compared with it.
+    """
+    outcome = gates.data_gate(run.settings, run.pinned, run.manifest)
+    run.gate("data gate", outcome.verdict, evidence={"gx_validation": outcome.validation})
+    log_json(run.settings.mlflow.url, run.tracked, outcome.baseline, "dataset/channel_baseline.json")
+    run.spec, reference = gates.candidate_preprocessing(run.settings, outcome.shape)
+    log_json(run.settings.mlflow.url, run.tracked, run.spec.to_dict(), PREPROCESSING_ARTIFACT)
+    run.gate("feature gate", gates.feature_gate(run.settings, run.pinned, run.manifest, run.spec, reference))
+    return outcome.baseline
 
 
 def build_candidate(run: RunContext, baseline: dict[str, Any]) -> dict[str, str]:
@@ -188,7 +211,7 @@ def build_candidate(run: RunContext, baseline: dict[str, Any]) -> dict[str, str]
         run.note("train + convert", "found", f"{earlier.name}, packaged by an earlier attempt")
         packaged = train_flow.publish_model(run, earlier)
     else:
-        trained = train_flow.train_model(run.settings, run.pinned, run.manifest, run.tracked)
+        trained = train_flow.train_model(run.settings, run.pinned, run.manifest, run.tracked, run.preprocessing)
         verdict = train_flow.check_training(run.settings, run.store, run.run_id, trained)
         learned = f"best val accuracy {trained.result.best_val_accuracy:.3f} at epoch {trained.result.best_epoch}"
         run.gate("train gate", verdict, detail=f"{verdict.reason()}; {learned}")

@@ -1,26 +1,32 @@
-"""Scheduled retraining: the pipeline again on the newest dataset version in the bucket, unless that
-version already produced the champion (then the skip and its reason are recorded, not silently dropped)."""
+"""Scheduled retraining, per model: the pipeline again on the newest version of the datasets that feed each
+model, unless that version already produced the model's champion (then the skip and its reason are
+recorded, not silently dropped). One model's failure does not keep the others from retraining."""
 
 from __future__ import annotations
 
+import re
 from datetime import datetime
 from typing import Any
 
 from prefect import State, flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 from prefect.runtime import flow_run
-from prefect.states import Completed
+from prefect.states import Completed, Failed
 
 from flows.pipeline import pipeline
 from flows.wrappers import stage
-from sluicegate import ids, storage
+from sluicegate import ids, model_specs, storage
 from sluicegate.settings import Settings
 from tasks import retrain
 
 
-def _newest(settings: Settings) -> retrain.NewestDataset | None:
+def _newest(settings: Settings) -> dict[str, retrain.NewestDataset]:
     s3 = storage.s3_client(settings)
-    return retrain.newest_dataset(s3, settings.storage.bucket, settings.storage.datasets_prefix)
+
+    def model_of(dataset: str) -> str:
+        return model_specs.model_for_dataset(settings, dataset).name
+
+    return retrain.newest_per_model(s3, settings.storage.bucket, settings.storage.datasets_prefix, model_of)
 
 
 def _record_skip(settings: Settings, decision: retrain.RetrainDecision) -> int:
@@ -53,34 +59,74 @@ def _run_name() -> str:
 
 
 @flow(name="scheduled-retrain", flow_run_name=_run_name, log_prints=True)
-def scheduled_retrain(force: bool = False) -> dict[str, Any] | State:
-    """Re-run the pipeline on the newest dataset version.
+def scheduled_retrain(force: bool = False, model: str = "") -> dict[str, Any] | State:
+    """Re-run the pipeline on each model's newest dataset version.
 
     Args:
         force: Retrain even when the newest dataset version already produced the champion.
+        model: Retrain only this model (empty: every model with a dataset in the bucket).
 
     Returns:
-        The pipeline's result; or, when skipped, a Completed state named "Skipped" carrying the reason.
+        ``{"status", "models": {model: the pipeline's result or the skip}}``; a Completed state named
+        "Skipped" when every model was skipped, a Failed one (same data) when a model's pipeline failed.
     """
     logger = get_run_logger()
     settings = Settings()
     newest = find_newest(settings)
-    champion = champion_data(settings.mlflow.url, settings.model.name) if newest is not None else None
-    decision = retrain.decide(newest, champion, force=force)
-    logger.info(decision.reason)
+    if model:
+        newest = {model: newest[model]} if model in newest else {}
+    results: dict[str, dict[str, Any]] = {}
+    failed: list[str] = []
+    for name, target in newest.items():
+        try:
+            results[name] = _retrain_model(settings, name, target, force=force)
+        except Exception as exc:  # one model's failure is reported, and the others still retrain
+            logger.error("retraining %s failed: %s", name, exc)
+            results[name] = {"status": "failed", "reason": f"{type(exc).__name__}: {exc}"}
+            failed.append(name)
+    if not newest:
+        reason = f"no dataset manifest in the bucket{' for model ' + model if model else ''}: nothing to retrain"
+        logger.info(reason)
+        _skip_artifact(reason, None)
+        return Completed(name="Skipped", message=reason, data={"status": "skipped", "reason": reason, "models": {}})
+    summary = {"status": _overall(results), "models": results}
+    if failed:
+        return Failed(message=f"retraining failed for {', '.join(failed)}", data=summary)
+    if summary["status"] == "skipped":
+        reason = "; ".join(f"{name}: {result['reason']}" for name, result in results.items())
+        return Completed(name="Skipped", message=reason, data={**summary, "reason": reason})
+    return summary
+
+
+def _overall(results: dict[str, dict[str, Any]]) -> str:
+    statuses = {result["status"] for result in results.values()}
+    if "failed" in statuses:
+        return "failed"
+    return "skipped" if statuses == {"skipped"} else "succeeded"
+
+
+def _retrain_model(settings: Settings, name: str, target: retrain.NewestDataset, *, force: bool) -> dict[str, Any]:
+    """The pipeline on ``target`` for model ``name``, or the recorded skip."""
+    logger = get_run_logger()
+    decision = retrain.decide(target, champion_data(settings.mlflow.url, name), force=force)
+    logger.info("%s: %s", name, decision.reason)
     if not decision.retrain:
-        run_id = record_skip(settings, decision) if decision.newest is not None else None
-        create_markdown_artifact(
-            key="scheduled-retrain",
-            markdown=f"## Scheduled retrain skipped\n\n{decision.reason}\n\nPipeline run row: {run_id or '-'}",
-            description="scheduled-retrain: skipped",
-        )
-        skipped = {"status": "skipped", "reason": decision.reason, "pipeline_run_id": run_id}
-        return Completed(name="Skipped", message=decision.reason, data=skipped)
-    assert decision.newest is not None
-    target = decision.newest
-    logger.info("retraining on s3://%s/%s (version %s)", settings.storage.bucket, target.key, target.version_id)
+        run_id = record_skip(settings, decision)
+        _skip_artifact(f"{name}: {decision.reason}", run_id, model=name)
+        return {"status": "skipped", "reason": decision.reason, "pipeline_run_id": run_id}
+    logger.info(
+        "retraining %s on s3://%s/%s (version %s)", name, settings.storage.bucket, target.key, target.version_id
+    )
     result: dict[str, Any] = pipeline(
         bucket=settings.storage.bucket, key=target.key, version_id=target.version_id or "", trigger="schedule"
     )
     return result
+
+
+def _skip_artifact(reason: str, run_id: int | None, *, model: str = "") -> None:
+    key = f"scheduled-retrain-{model}" if model else "scheduled-retrain"
+    create_markdown_artifact(
+        key=re.sub(r"[^a-z0-9-]+", "-", key.lower()),
+        markdown=f"## Scheduled retrain skipped\n\n{reason}\n\nPipeline run row: {run_id or '-'}",
+        description="scheduled-retrain: skipped",
+    )

@@ -21,6 +21,7 @@ from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 from prefect.runtime import flow_run
 
+from sluicegate import model_specs
 from sluicegate.errors import SluicegateError
 from sluicegate.settings import Settings
 
@@ -147,7 +148,8 @@ def rollout(model_name: str, model_version: str, registry_version: str | None = 
     """Roll ``model_version`` (the pipeline's version string) of ``model_name`` out by the settings' plan."""
     from sluicegate.metadata import MetadataStore
 
-    settings = Settings()
+    # The model's own canary plan (its spec's) on top of the platform's settings.
+    settings = model_specs.settings_for_model(Settings(), model_name)
     with MetadataStore.checked(settings.metadata_url) as store, one_rollout_at_a_time(model_name):
         return run(settings, store, model_name, model_version, registry_version)
 

@@ -24,6 +24,7 @@ from tasks.reports import StageRecord
 from tasks.verdicts import GateVerdict
 
 if TYPE_CHECKING:
+    from serving.preprocessing import PreprocessSpec
     from sluicegate.metadata import MetadataStore
 
 
@@ -95,6 +96,7 @@ class RunContext:
     manifest: bytes = b""
     dataset_version_id: int | None = None
     mlflow_run_id: str | None = None
+    spec: PreprocessSpec | None = None  # the candidate's preprocessing, chosen between gates 1 and 2
     stages: list[StageRecord] = field(default_factory=list)
 
     @property
@@ -108,6 +110,12 @@ class RunContext:
         if self.mlflow_run_id is None:
             raise RuntimeError("the MLflow run is not started yet: pin the dataset first")
         return self.mlflow_run_id
+
+    @property
+    def preprocessing(self) -> PreprocessSpec:
+        if self.spec is None:
+            raise RuntimeError("the candidate's preprocessing is not chosen yet: run the data gate first")
+        return self.spec
 
     def note(self, name: str, outcome: str, detail: str) -> None:
         """A line of the run's summary."""

@@ -19,13 +19,18 @@ from tasks.verdicts import GateVerdict
 
 if TYPE_CHECKING:
     from flows.run_context import RunContext
+    from serving.preprocessing import PreprocessSpec
     from sluicegate.metadata import MetadataStore
 
 
-def _train(settings: Settings, dataset: ResolvedDataset, manifest: bytes, mlflow_run_id: str) -> build.Trained:
-    data = build.load_training_data(settings, source_of(settings, dataset), manifest)
+def _train(
+    settings: Settings, dataset: ResolvedDataset, manifest: bytes, mlflow_run_id: str, spec: PreprocessSpec
+) -> build.Trained:
+    data = build.load_training_data(settings, source_of(settings, dataset), manifest, spec)
     tracker = tracking.client(settings.mlflow.url)
-    for name, value in settings.training.model_dump().items():
+    # The values training will use (unset settings resolved from the data), so a run's params say what
+    # it did, whether the settings, a model spec or the data chose them.
+    for name, value in build.resolved_training(settings, data).params().items():
         tracker.log_param(mlflow_run_id, f"training.{name}", value)
 
     def on_epoch(record: Any) -> None:

@@ -17,6 +17,7 @@ import numpy as np
 from serving.batching import BatcherStats, DynamicBatcher, Signature, signature
 from serving.errors import InvalidInput, ModelNotFound, ModelNotReady
 from serving.model_format import ModelConfig
+from serving.preprocessing import input_channels
 from serving.settings import ServingSettings
 from serving.traffic import TrafficSplitter
 from serving.types import (
@@ -181,13 +182,16 @@ class DataPlane:
         telemetry, s = self.telemetry, self.settings
         if telemetry is None:
             return None
-        from serving.observability.drift import DriftMonitor, rgb_baseline
+        from serving.observability.drift import DriftMonitor, baseline_features
         from serving.observability.entropy import EntropyMonitor
         from serving.observability.monitors import VersionMonitors
 
         metrics = telemetry.metrics
-        baseline = rgb_baseline(config.drift_baseline)
-        image = image_input({str(t["name"]): (str(t["datatype"]), tuple(t["shape"])) for t in config.inputs})
+        baseline = baseline_features(config.drift_baseline, config.preprocessing)
+        image = image_input(
+            {str(t["name"]): (str(t["datatype"]), tuple(t["shape"])) for t in config.inputs},
+            input_channels(config.preprocessing),
+        )
         drift = None
         if baseline is not None and image is not None:
             drift = DriftMonitor(
@@ -456,10 +460,11 @@ def validate_inputs(
     return batch
 
 
-def image_input(inputs: Mapping[str, tuple[str, tuple[int, ...]]]) -> str | None:
-    """The NCHW image input drift features come from: the first 4-D FP32 input with 3 channels."""
+def image_input(inputs: Mapping[str, tuple[str, tuple[int, ...]]], channels: int = 3) -> str | None:
+    """The NCHW image input drift features come from: the first 4-D FP32 input with ``channels`` channels
+    (3 for RGB/BGR preprocessing, 1 for "L": ``serving.observability.drift.input_channels``)."""
     for name, (datatype, shape) in inputs.items():
-        if datatype == "FP32" and len(shape) == 4 and int(shape[1]) == 3:
+        if datatype == "FP32" and len(shape) == 4 and int(shape[1]) == channels:
             return name
     return None
 

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from serving.errors import RepositoryError
+from serving.preprocessing import COLOUR_CHANNELS
 
 CONFIG = "config.json"
 SUMS = "SHA256SUMS"
@@ -87,6 +88,28 @@ class ModelConfig:
             raise RepositoryError(
                 f"ModelConfig.batching: unknown keys {sorted(unknown)}; known: {sorted(DEFAULT_BATCHING)}"
             )
+        self._check_image_channels()
+
+    def _check_image_channels(self) -> None:
+        """The preprocessing's colour and the NCHW input it feeds agree on the channel count.
+
+        ``serving.preprocessing.preprocess`` makes ``(N, 1, H, W)`` for colour "L" and ``(N, 3, H, W)``
+        for "RGB"/"BGR"; a version whose 4-D FP32 inputs all take another count could be published but
+        never fed (or, for drift, never watched). Configs that name no known colour are not checked.
+        """
+        colour = self.preprocessing.get("colour") if isinstance(self.preprocessing, Mapping) else None
+        if not isinstance(colour, str) or colour not in COLOUR_CHANNELS:
+            return
+        want = COLOUR_CHANNELS[colour]
+        images = [t for t in self.inputs if t["datatype"] == "FP32" and len(t["shape"]) == 4]
+        if not images or any(str(t["shape"][1]) in (str(want), "-1") for t in images):
+            return
+        first = images[0]
+        raise RepositoryError(
+            f"ModelConfig.inputs: preprocessing colour {colour!r} makes (N, {want}, H, W) tensors, but no 4-D "
+            f"FP32 input takes {want} channel(s) (input {first['name']!r} has shape {list(first['shape'])}): "
+            f"declare the image input as [-1, {want}, H, W], or set preprocessing.colour to the model's"
+        )
 
     @property
     def model_file(self) -> str:

@@ -177,27 +177,60 @@ class FeatureGateSettings(Group):
 
 
 class PreprocessingSettings(Group):
-    """The candidate's preprocessing (serving/preprocessing.py), recorded with every model."""
+    """The candidate's preprocessing (serving/preprocessing.py), recorded with every model.
 
-    # 32x32 keeps CPU training of the default model to minutes; raise it on a GPU work pool.
-    height: int = Field(32, ge=1, description="Model input height.")
-    width: int = Field(32, ge=1, description="Model input width.")
-    colour: Literal["RGB", "BGR"] = Field("RGB", description="Channel order the model expects.")
-    mean: tuple[float, float, float] = Field((0.485, 0.456, 0.406), description="Per-channel mean (RGB order).")
-    std: tuple[float, float, float] = Field((0.229, 0.224, 0.225), description="Per-channel std (RGB order).")
+    An unset field follows the model's champion (what it was trained and is served with) and, for a
+    model's first version, the data: its most common image size (shrunk to fit ``max_size``, aspect kept)
+    and colour (one channel "L" when every image is grey). A model spec or these variables pin a field.
+    """
+
+    height: int | None = Field(None, ge=1, description="Model input height; unset: the champion's, else the data's.")
+    width: int | None = Field(None, ge=1, description="Model input width; unset: the champion's, else the data's.")
+    # 32 keeps CPU training of a first model to about a minute; raise it on a GPU work pool.
+    max_size: int = Field(32, ge=1, description="Largest input side a size taken from the data is shrunk to.")
+    colour: Literal["RGB", "BGR", "L"] | None = Field(
+        None, description="Channels the model expects (L: one grey channel); unset: the champion's, else the data's."
+    )
+    mean: tuple[float, ...] | None = Field(
+        None, description="Per-channel mean after scaling to [0, 1] (RGB order; one value for L); unset: ImageNet's."
+    )
+    std: tuple[float, ...] | None = Field(
+        None, description="Per-channel std (RGB order; one value for L); unset: ImageNet's."
+    )
 
 
 class TrainingSettings(Group):
-    """Gate 3's training run (a small residual CNN by default)."""
+    """Gate 3's training run. Unset fields are chosen from the data (architecture by input size, epoch
+    budget by training-set size)."""
 
-    arch: Literal["resnet-small"] = Field("resnet-small", description="Model architecture.")
-    width: int = Field(16, ge=4, description="Channels of the first stage (doubled at each later stage).")
-    blocks: tuple[int, ...] = Field((1, 1, 1), description="Residual blocks per stage (JSON list).")
-    epochs: int = Field(20, ge=1, description="Most epochs to train.")
-    patience: int = Field(4, ge=1, description="Epochs without validation-loss improvement before stopping.")
+    arch: Literal["auto", "resnet-small", "resnet-wide"] = Field(
+        "auto",
+        description="Model architecture; auto: resnet-small below 64 pixels a side, resnet-wide from there.",
+    )
+    width: int | None = Field(None, ge=4, description="Channels of the first stage; unset: the architecture's.")
+    blocks: tuple[int, ...] | None = Field(
+        None, description="Residual blocks per stage (JSON list); unset: the architecture's."
+    )
+    epochs: int | None = Field(
+        None, ge=1, description="Most epochs to train; unset: from the training-set size (more for small sets)."
+    )
+    patience: int | None = Field(
+        None, ge=1, description="Epochs without validation-loss improvement before stopping; unset: epochs // 4."
+    )
     batch_size: int = Field(64, ge=1, description="Training batch size.")
     learning_rate: float = Field(5e-3, gt=0, description="AdamW learning rate.")
     weight_decay: float = Field(1e-4, ge=0, description="AdamW weight decay.")
+    augment_shift: float = Field(
+        0.1, ge=0, le=0.5, description="Random translation, as a fraction of the image side (0: none)."
+    )
+    augment_rotate_degrees: float = Field(10.0, ge=0, le=180, description="Random rotation within +- degrees.")
+    augment_scale: float = Field(0.1, ge=0, lt=1, description="Random zoom within 1 +- this.")
+    augment_flips: bool = Field(
+        False, description="Random horizontal and vertical flips: only when a mirrored image keeps its label."
+    )
+    augment_quarter_turns: bool = Field(
+        False, description="Random 90-degree turns: only when a turned image keeps its label (not digits)."
+    )
     seed: int = Field(0, description="Seed of initialisation and data order (deterministic on CPU).")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Where to train; auto: CUDA if present.")
     amp: bool = Field(True, description="Mixed precision (bf16 autocast) when training on CUDA.")
@@ -207,7 +240,14 @@ class TrainGateSettings(Group):
     """Gate 3's stability checks (DESIGN section 5)."""
 
     max_roughness: float = Field(
-        0.1, gt=0, description="Largest mean |2nd difference| of the min-max normalised training-loss curve."
+        0.1,
+        gt=0,
+        description="Largest mean |2nd difference| of the min-max normalised, smoothed per-step training-loss curve.",
+    )
+    max_loss_rise: float = Field(
+        2.0,
+        gt=0,
+        description="Largest ratio of the smoothed training loss's peak to the first step's loss (above: diverged).",
     )
     final_loss_tolerance: float = Field(
         0.05,
@@ -251,6 +291,16 @@ class EvalGateSettings(Group):
     )
     first_model_min_accuracy: float = Field(
         0.8, ge=0, le=1, description="Absolute accuracy floor when there is no champion yet."
+    )
+    baseline_margin: float = Field(
+        0.005,
+        ge=-1,
+        le=1,
+        description="Accuracy must reach the majority-class and the linear baseline's plus this (capped at 1); "
+        "-1 switches the baselines off (wiring tests on random images only).",
+    )
+    baseline_size: int = Field(
+        16, ge=2, description="Side the linear baseline (logistic regression) downsamples images to."
     )
     max_p95_ms: float | None = Field(
         None, gt=0, description="Absolute p95 latency ceiling (ms) at every batch size; unset: none."
@@ -312,13 +362,19 @@ class RolloutSettings(Group):
 
 
 class ModelSettings(Group):
-    """The model the pipeline produces."""
+    """Models: one per dataset name unless a model spec (``specs``) maps datasets to a model."""
 
-    name: str = Field("pcb-classifier", description="Registered model name in MLflow (aliases live on it).")
+    name: str = Field(
+        "",
+        description="Default model of the CLI's --model; the pipeline picks each dataset's model itself.",
+    )
+    specs: Path | None = Field(None, description="Folder of model spec files (<model>.yaml); unset: <home>/models.")
+    prefix: str = Field(
+        "", description="Prefix of the model name a dataset gets without a spec (e.g. an environment: 'staging-')."
+    )
     intended_use: str = Field(
-        "Classifying solder-joint crops of printed circuit boards from automated optical inspection into the "
-        "dataset's defect classes, as a screening aid whose rejects a person reviews.",
-        description="The model card's intended-use statement.",
+        "Classifying images into the dataset's classes, as a screening aid whose outputs a person reviews.",
+        description="The model card's intended-use statement (a model spec may set its own).",
     )
     semver: str = Field("1.0.0", description="MAJOR.MINOR.PATCH of produced model versions (vX.Y.Z-<commit7>-<data7>).")
     repository: Path | None = Field(

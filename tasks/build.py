@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from serving.preprocessing import PreprocessSpec
     from tasks.dataset_source import DatasetSource
     from tasks.train_gate import HistoryRun
+    from tasks.training import ResolvedTraining
 
 log = logging.getLogger(__name__)
 
@@ -63,16 +64,27 @@ class Converted:
     engine_reason: str  # why an engine was or was not built (no GPU, no TensorRT, disabled, ...)
 
 
-def load_training_data(settings: Settings, source: DatasetSource, manifest: bytes) -> TrainingData:
-    """Decode and preprocess the train and val splits with the candidate's preprocessing."""
-    from tasks.dataset_gates import candidate_spec
+def load_training_data(
+    settings: Settings, source: DatasetSource, manifest: bytes, spec: PreprocessSpec
+) -> TrainingData:
+    """Decode and preprocess the train and val splits with the candidate's preprocessing ``spec``
+    (``tasks.dataset_gates.candidate_spec``)."""
     from tasks.training_data import load_split
 
-    spec = candidate_spec(settings)
     concurrency = settings.data_gate.read_concurrency
     x_train, y_train, labels = load_split(source, manifest, "train", spec, None, concurrency=concurrency)
     x_val, y_val, _ = load_split(source, manifest, "val", spec, labels, concurrency=concurrency)
     return TrainingData(x_train, y_train, x_val, y_val, tuple(labels), spec)
+
+
+def resolved_training(settings: Settings, data: TrainingData) -> ResolvedTraining:
+    """The training settings with what was left unset chosen from the data (architecture, epochs, ...)."""
+    from tasks.training import resolve_training
+
+    _, channels, height, width = data.x_train.shape
+    return resolve_training(
+        settings.training, channels=channels, height=height, width=width, train_count=len(data.x_train)
+    )
 
 
 def train_candidate(
@@ -99,6 +111,7 @@ def gate_training(settings: Settings, trained: Trained, history: Sequence[Histor
         history,
         settings.train_gate,
         val_curve=[record.val_loss for record in result.history],
+        step_losses=result.step_losses,
     )
     return dataclasses.replace(
         verdict,
@@ -229,7 +242,7 @@ def model_config(
         name=settings.model.name,
         version=version,
         platform="tensorrt" if converted.engine_path is not None else "onnxruntime",
-        inputs=[{"name": "input", "datatype": "FP32", "shape": [-1, 3, spec.height, spec.width]}],
+        inputs=[{"name": "input", "datatype": "FP32", "shape": [-1, spec.channels, spec.height, spec.width]}],
         outputs=[{"name": "logits", "datatype": "FP32", "shape": [-1, len(labels)]}],
         labels=labels,
         preprocessing=spec.to_dict(),

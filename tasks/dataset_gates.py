@@ -8,7 +8,8 @@ sample, which reference. The flow publishes and enforces; the CLI prints.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -17,9 +18,20 @@ from tasks.datasets import manifest_paths
 from tasks.verdicts import GateVerdict
 
 if TYPE_CHECKING:
+    import numpy as np
+
     from serving.preprocessing import PreprocessSpec
     from tasks.champion import Champion
     from tasks.dataset_source import DatasetSource
+
+
+@dataclass(frozen=True)
+class DataShape:
+    """What a dataset version's images look like: a first model's input is made to fit them."""
+
+    width: int
+    height: int
+    grey: bool  # every decodable image has one channel (or equal ones)
 
 
 @dataclass(frozen=True)
@@ -27,6 +39,7 @@ class DataGateOutcome:
     verdict: GateVerdict
     validation: dict[str, Any]  # Great Expectations' result, kept as evidence
     baseline: dict[str, Any]  # per-channel statistics: the served model's drift baseline
+    shape: DataShape | None  # None when no image decodes (the gate has failed then)
 
 
 def check_data(
@@ -48,14 +61,16 @@ def check_data(
     """
     from tasks.champion import champion_labels
     from tasks.data_gate import run_data_gate
-    from tasks.image_stats import channel_baseline, collect_stats
+    from tasks.image_stats import channel_baseline, collect_stats, common_size, is_grey
 
     stats = collect_stats(
         source, manifest_paths(manifest), concurrency=settings.data_gate.read_concurrency, on_image=on_image
     )
     reference = champion_labels(settings.mlflow.url, champion) if champion is not None else None
     verdict, validation = run_data_gate(manifest, stats, reference, settings.data_gate)
-    return DataGateOutcome(verdict, validation, channel_baseline(stats))
+    size = common_size(stats)
+    shape = DataShape(size[0], size[1], is_grey(stats)) if size is not None else None
+    return DataGateOutcome(verdict, validation, channel_baseline(stats), shape)
 
 
 def sampled_paths(manifest: bytes, rules: FeatureGateSettings) -> list[str]:
@@ -67,11 +82,43 @@ def sampled_paths(manifest: bytes, rules: FeatureGateSettings) -> list[str]:
     return [paths[i] for i in sample_indices(len(paths), rules.sample_size, rules.seed)]
 
 
-def candidate_spec(settings: Settings) -> PreprocessSpec:
-    """The preprocessing a model trained now is trained and served with."""
-    from tasks.feature_gate import spec_from_settings
+# ImageNet's statistics: reasonable for photographs, and what torchvision-trained users expect.
+RGB_MEAN, RGB_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+# The same statistics through the luma weights the grey conversion uses.
+GREY_MEAN, GREY_STD = (0.449,), (0.226,)
 
-    return spec_from_settings(settings.preprocessing)
+
+def fit_size(width: int, height: int, cap: int) -> tuple[int, int]:
+    """(height, width) of an image shrunk to fit ``cap`` on its longer side, aspect kept; never enlarged."""
+    scale = min(1.0, cap / max(width, height))
+    return max(1, round(height * scale)), max(1, round(width * scale))
+
+
+def candidate_spec(settings: Settings, *, champion: PreprocessSpec | None, data: DataShape | None) -> PreprocessSpec:
+    """The preprocessing a model trained now is trained and served with.
+
+    Field by field: what the settings (or the model's spec) pin; else the champion's, so a model keeps
+    its input across versions; else, for a model's first version, what fits the data (its most common
+    image size shrunk to ``max_size``, one grey channel when every image is grey); else the defaults.
+    """
+    from serving.preprocessing import PreprocessSpec
+
+    p = settings.preprocessing
+    colour = p.colour or (champion.colour if champion is not None else None)
+    colour = colour or ("L" if data is not None and data.grey else "RGB")
+    if champion is not None:
+        height, width = champion.height, champion.width
+    elif data is not None:
+        height, width = fit_size(data.width, data.height, p.max_size)
+    else:
+        height, width = p.max_size, p.max_size
+    same_channels = champion is not None and (champion.colour == "L") == (colour == "L")
+    default_mean, default_std = (GREY_MEAN, GREY_STD) if colour == "L" else (RGB_MEAN, RGB_STD)
+    mean = p.mean or (champion.mean if champion is not None and same_channels else default_mean)
+    std = p.std or (champion.std if champion is not None and same_channels else default_std)
+    return PreprocessSpec(
+        height=p.height or height, width=p.width or width, colour=colour, mean=tuple(mean), std=tuple(std)
+    )
 
 
 def champion_spec(settings: Settings, champion: Champion | None) -> PreprocessSpec | None:
@@ -83,15 +130,39 @@ def champion_spec(settings: Settings, champion: Champion | None) -> PreprocessSp
     return PreprocessSpec.from_dict(recorded) if recorded else None
 
 
+def shape_of(images: Sequence[np.ndarray]) -> DataShape | None:
+    """The shape of decoded RGB images: the most common size, grey when every image has R == G == B."""
+    if not images:
+        return None
+    (height, width), _ = Counter(image.shape[:2] for image in images).most_common(1)[0]
+    grey = all(
+        bool((image[..., 0] == image[..., 1]).all() and (image[..., 1] == image[..., 2]).all()) for image in images
+    )
+    return DataShape(int(width), int(height), grey)
+
+
 def check_features(
-    settings: Settings, source: DatasetSource, manifest: bytes, *, reference: PreprocessSpec | None
+    settings: Settings,
+    source: DatasetSource,
+    manifest: bytes,
+    *,
+    reference: PreprocessSpec | None,
+    candidate: PreprocessSpec | None = None,
+    follow_reference: bool = True,
 ) -> GateVerdict:
-    """The feature gate: ``reference`` preprocessing (the champion's) vs the candidate's on the sample."""
+    """The feature gate: ``reference`` preprocessing (the champion's) vs ``candidate`` on the sample.
+
+    ``candidate`` None: the one ``candidate_spec`` chooses with the sample's shape (the command line,
+    which has not read every image as the pipeline's data gate has), keeping the reference's fields
+    unless the settings pin them when ``follow_reference`` (the reference is the champion), or as a
+    first model would get it (the reference is any spec a user compares with).
+    """
     from tasks.feature_gate import feature_gate
     from tasks.image_stats import load_images
 
     rules = settings.feature_gate
     images = load_images(source, sampled_paths(manifest, rules), concurrency=settings.data_gate.read_concurrency)
-    return feature_gate(
-        images, reference, candidate_spec(settings), percentile=rules.percentile, min_cosine=rules.min_cosine
-    )
+    if candidate is None:
+        champion = reference if follow_reference else None
+        candidate = candidate_spec(settings, champion=champion, data=shape_of(images))
+    return feature_gate(images, reference, candidate, percentile=rules.percentile, min_cosine=rules.min_cosine)

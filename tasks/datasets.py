@@ -206,18 +206,33 @@ def resolve_dataset_version(
     return resolved, manifest
 
 
-def newest_manifest(s3: S3Client, bucket: str, datasets_prefix: str = "datasets/") -> tuple[str, str | None] | None:
-    """The most recently written dataset manifest in the bucket: (key, version id), or None."""
-    newest: tuple[Any, str] | None = None
+def newest_manifests(s3: S3Client, bucket: str, datasets_prefix: str = "datasets/") -> dict[str, tuple[Any, str]]:
+    """The most recently written manifest of each dataset name in the bucket: name -> (LastModified, key)."""
+    newest: dict[str, tuple[Any, str]] = {}
     for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=datasets_prefix):
         for obj in page.get("Contents", []):
             key = obj["Key"]
+            try:
+                name = parse_dataset_key(key, datasets_prefix).name
+            except DatasetError:
+                continue
             # LastModified has one-second resolution; on a tie the later key (labels are usually
             # dates) wins, so the choice is deterministic.
-            if key.endswith("/" + MANIFEST) and (newest is None or (obj["LastModified"], key) > newest):
-                newest = (obj["LastModified"], key)
-    if newest is None:
+            if name not in newest or (obj["LastModified"], key) > newest[name]:
+                newest[name] = (obj["LastModified"], key)
+    return newest
+
+
+def manifest_version_id(s3: S3Client, bucket: str, key: str) -> str | None:
+    """The current S3 version id of a manifest (None on an unversioned bucket)."""
+    version = s3.head_object(Bucket=bucket, Key=key).get("VersionId")
+    return version if version and version != "null" else None
+
+
+def newest_manifest(s3: S3Client, bucket: str, datasets_prefix: str = "datasets/") -> tuple[str, str | None] | None:
+    """The most recently written dataset manifest in the bucket: (key, version id), or None."""
+    found = newest_manifests(s3, bucket, datasets_prefix)
+    if not found:
         return None
-    head = s3.head_object(Bucket=bucket, Key=newest[1])
-    version = head.get("VersionId")
-    return newest[1], version if version and version != "null" else None
+    _, key = max(found.values())
+    return key, manifest_version_id(s3, bucket, key)

@@ -6,19 +6,23 @@ from __future__ import annotations
 import io
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tasks.evaluation import Evaluation
 from tasks.reports import markdown_table, verdict_markdown
 from tasks.verdicts import GateVerdict
+
+if TYPE_CHECKING:
+    from tasks.baselines import Baselines
 
 
 def _ms(value: float | None) -> str:
     return "-" if value is None else f"{value:.3f}"
 
 
-def comparison_table(evaluations: Sequence[Evaluation]) -> str:
-    """Headline metrics, one column per model (candidate first)."""
+def comparison_table(evaluations: Sequence[Evaluation], baselines: Baselines | None = None) -> str:
+    """Headline metrics, one column per model (candidate first), then one per baseline when given (their
+    accuracy and test images only: they are not served, so they have no latency or calibration)."""
     batch_sizes = sorted({entry.batch_size for e in evaluations for entry in e.latency})
     rows: list[list[object]] = [
         ["model version", *(f"`{e.model_version}`" for e in evaluations)],
@@ -37,7 +41,31 @@ def comparison_table(evaluations: Sequence[Evaluation]) -> str:
             rows.append([f"{stat} latency ms @ batch {size}", *cells])
     if any(e.latency_attempts > 1 for e in evaluations):
         rows.append(["latency measurements", *(e.latency_attempts for e in evaluations)])
-    return markdown_table(["metric", *(e.role for e in evaluations)], rows)
+    headers = ["metric", *(e.role for e in evaluations)]
+    if baselines is not None:
+        headers += ["majority class", "linear baseline"]
+        for row in rows:
+            row += _baseline_cells(str(row[0]), baselines)
+    return markdown_table(headers, rows)
+
+
+def _baseline_cells(metric: str, baselines: Baselines) -> list[object]:
+    if metric == "accuracy":
+        return [f"{baselines.majority_accuracy:.4f}", f"{baselines.linear_accuracy:.4f}"]
+    if metric == "test images":
+        return [baselines.test_count, baselines.test_count]
+    return ["-", "-"]
+
+
+def baselines_line(baselines: Baselines) -> str:
+    """What the two baselines are, in one sentence under the side-by-side table."""
+    features = f"{baselines.size}x{baselines.size} {'grey' if baselines.grey else 'RGB'} pixels"
+    note = "" if baselines.linear_converged else " (the solver stopped at its iteration limit)"
+    return (
+        f"Baselines, fit on {baselines.train_count} train images: majority class `{baselines.majority_label}`; "
+        f"linear = standardised logistic regression on {features}, {baselines.linear_seconds:.1f} s{note}. "
+        "The candidate's accuracy must reach each plus the margin (capped at 1)."
+    )
 
 
 def _macro_f1(evaluation: Evaluation) -> float:
@@ -65,10 +93,18 @@ def confusion_table(evaluation: Evaluation) -> str:
 
 
 def eval_markdown(
-    verdict: GateVerdict, evaluations: Sequence[Evaluation], *, context: str, images: Mapping[str, str]
+    verdict: GateVerdict,
+    evaluations: Sequence[Evaluation],
+    *,
+    context: str,
+    images: Mapping[str, str],
+    baselines: Baselines | None = None,
 ) -> str:
-    """The gate report: verdict, side-by-side table, per-class scores, confusion matrices, plot links."""
-    parts = [verdict_markdown(verdict, context=context), "## Side by side\n", comparison_table(evaluations)]
+    """The gate report: verdict, side-by-side table (with the baselines), per-class scores, confusion
+    matrices, plot links."""
+    parts = [verdict_markdown(verdict, context=context), "## Side by side\n", comparison_table(evaluations, baselines)]
+    if baselines is not None:
+        parts.append("\n" + baselines_line(baselines))
     parts += ["\n## Per class\n", per_class_table(evaluations)]
     for name, url in images.items():
         parts.append(f"\n![{name}]({url})\n")
@@ -156,6 +192,7 @@ def model_card(
     intended_use: str,
     labels: Sequence[str],
     train_images: int | None = None,
+    baselines: Baselines | None = None,
 ) -> str:
     """``model_card.md``: what the model is, what it was trained and judged on, how well, and its limits."""
     evaluations = [candidate] if champion is None else [candidate, champion]
@@ -181,7 +218,8 @@ def model_card(
             "\n## Intended use\n",
             intended_use,
             "\n## Metrics (test split of the data version above)\n",
-            comparison_table(evaluations),
+            comparison_table(evaluations, baselines),
+            *([] if baselines is None else ["\n" + baselines_line(baselines)]),
             "\n### Per class\n",
             per_class_table(evaluations),
             "\n## Limitations\n",

@@ -7,6 +7,11 @@ normalisation shows up before a model is trained on inputs that serving would no
 
 Cosine sees direction, not length: a change that rescales every feature by one factor (the same
 ``std`` multiplied on every channel) passes this gate; its effect on accuracy is the eval gate's.
+
+Specs with different channel counts (colour "L", one grey channel, against "RGB"/"BGR") are not
+compared at all: their features live in different spaces, and no champion's weights could take the
+candidate's inputs. The gate fails with a "channels" check that says so; such a model is a new model,
+not a new version of the champion.
 """
 
 from __future__ import annotations
@@ -20,7 +25,6 @@ import numpy as np
 import numpy.typing as npt
 
 from serving.preprocessing import PreprocessSpec, preprocess
-from sluicegate.settings import PreprocessingSettings
 from tasks.verdicts import Check, GateVerdict
 
 GATE = "feature"
@@ -71,11 +75,12 @@ def feature_gate(
         percentile: which percentile of the per-image cosines is held to ``min_cosine``.
         min_cosine: the bound.
         candidate_fn: a candidate preprocessing implementation under test: it turns a chunk of images into
-            candidate features, ``(n, 3, height, width)``, instead of ``preprocess(chunk, candidate)``.
+            candidate features, ``(n, candidate.channels, height, width)``, instead of
+            ``preprocess(chunk, candidate)``.
 
     Returns:
-        The verdict: checks "first model", "output shape", "sample size" or "cosine p<percentile>",
-        with the cosine summary and both specs in its metrics.
+        The verdict: checks "first model", "channels", "output shape", "sample size" or
+        "cosine p<percentile>", with the cosine summary and both specs in its metrics.
 
     Raises:
         ValueError: ``percentile`` or ``min_cosine`` out of range, or ``candidate_fn`` returning a
@@ -92,9 +97,11 @@ def feature_gate(
     metrics: dict[str, Any] = {"champion_spec": champion.to_dict(), "candidate_spec": candidate.to_dict()}
     if candidate_fn is not None:
         metrics["candidate_fn"] = getattr(candidate_fn, "__qualname__", repr(candidate_fn))
-    expected = (3, champion.height, champion.width)
-    if candidate_fn is None and (3, candidate.height, candidate.width) != expected:
-        return _shape_failure(expected, (3, candidate.height, candidate.width), metrics)
+    if candidate.channels != champion.channels:
+        return _channels_failure(champion, candidate, metrics)
+    expected = (champion.channels, champion.height, champion.width)
+    if candidate_fn is None and (candidate.channels, candidate.height, candidate.width) != expected:
+        return _shape_failure(expected, (candidate.channels, candidate.height, candidate.width), metrics)
     if len(images) == 0:
         empty = Check("sample size", 0, ">= 1", False, detail="no images to compare features on")
         return GateVerdict(GATE, (empty,), {**metrics, "count": 0})
@@ -149,6 +156,23 @@ def _verdict(
     return GateVerdict(GATE, (check,), {**metrics, **summary})
 
 
+def _channels_failure(champion: PreprocessSpec, candidate: PreprocessSpec, metrics: dict[str, Any]) -> GateVerdict:
+    # Not a cosine below the bound but no cosine at all: say what to do instead of retrying.
+    check = Check(
+        "channels",
+        f"candidate {candidate.channels} ({candidate.colour})",
+        f"== champion {champion.channels} ({champion.colour})",
+        False,
+        detail=(
+            f"the candidate's preprocessing has {candidate.channels} channel(s) (colour {candidate.colour!r}), "
+            f"the champion's {champion.channels} (colour {champion.colour!r}): their features are not comparable. "
+            "A model with another colour is a new model; push it under a new dataset name, or set its model "
+            f"spec's preprocessing.colour to {champion.colour!r} to keep the champion's inputs"
+        ),
+    )
+    return GateVerdict(GATE, (check,), metrics)
+
+
 def _shape_failure(champion: tuple[int, ...], candidate: tuple[int, ...], metrics: dict[str, Any]) -> GateVerdict:
     # Cosine between tensors of different sizes means nothing: the model's input contract itself changed.
     check = Check(
@@ -159,8 +183,3 @@ def _shape_failure(champion: tuple[int, ...], candidate: tuple[int, ...], metric
         detail=f"champion features are {champion}, candidate features are {candidate} (C, H, W)",
     )
     return GateVerdict(GATE, (check,), metrics)
-
-
-def spec_from_settings(p: PreprocessingSettings) -> PreprocessSpec:
-    """The candidate's preprocessing, as configured (``SLUICEGATE_PREPROCESSING__*``)."""
-    return PreprocessSpec(height=p.height, width=p.width, colour=p.colour, mean=p.mean, std=p.std)

@@ -1,10 +1,14 @@
 """Per-image statistics, computed once per dataset version and shared by the data gate and training:
-size, decodability, content hash, per-channel mean (the serving drift baseline)."""
+size, decodability, content hash, per-channel mean (the serving drift baseline), and what they say
+about the dataset as a whole (``is_grey``, ``common_size``), from which the pipeline picks a new model's
+preprocessing."""
 
 from __future__ import annotations
 
 import hashlib
 import io
+import math
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -12,6 +16,13 @@ import numpy as np
 
 from sluicegate.errors import DatasetError
 from tasks.dataset_source import DatasetSource, map_objects
+
+# PIL modes with one grey band (plus alpha for "LA"): bilevel, 8-bit, 32-bit integer, 16-bit (each byte
+# order PIL names) and float. ``Image.convert("RGB")`` copies the band into R, G and B.
+GREY_MODES = frozenset({"1", "L", "LA", "I", "I;16", "I;16B", "I;16L", "I;16N", "F"})
+# Channel means closer than this (0..255 scale) count as equal: equal channels give equal means to the
+# last bit, and a colour image is many grey levels away; this only absorbs rounding.
+_GREY_TOLERANCE = 1e-3
 
 
 @dataclass(frozen=True)
@@ -78,6 +89,40 @@ def channel_baseline(stats: Sequence[ImageStats]) -> dict[str, list[float]]:
     """Per-channel means of every decodable image: the drift monitor's reference sample."""
     means = [s.channel_means for s in stats if s.channel_means is not None]
     return {channel: [m[index] for m in means] for index, channel in enumerate(("r", "g", "b"))}
+
+
+def is_grey(stats: Sequence[ImageStats]) -> bool:
+    """Whether every decodable image is grey, so a one-channel (colour "L") model loses nothing.
+
+    An image is grey when its PIL mode is a grey one (``GREY_MODES``); the mode is what the file says
+    it is, so it decides. Otherwise (an RGB or palette file) it is grey when its R, G and B means are
+    equal, which a grey picture saved as RGB gives (a colour one practically never does: the means would
+    have to match to a thousandth of a grey level). Undecodable images are the data gate's business and
+    are skipped; with no decodable image at all there is nothing grey, so False.
+    """
+    decodable = [s for s in stats if s.decodable]
+    return bool(decodable) and all(_grey(s) for s in decodable)
+
+
+def _grey(stats: ImageStats) -> bool:
+    if stats.mode in GREY_MODES:
+        return True
+    means = stats.channel_means
+    if means is None:
+        return False
+    return all(math.isclose(means[0], other, rel_tol=0.0, abs_tol=_GREY_TOLERANCE) for other in means[1:])
+
+
+def common_size(stats: Sequence[ImageStats]) -> tuple[int, int] | None:
+    """The most common ``(width, height)`` of the decodable images; None when there is none.
+
+    Ties go to the larger area, then the larger width, so the answer does not depend on the order of
+    ``stats`` (``collect_stats`` returns them in the order their downloads finished).
+    """
+    sizes = Counter((s.width, s.height) for s in stats if s.decodable and s.width is not None and s.height is not None)
+    if not sizes:
+        return None
+    return max(sizes, key=lambda size: (sizes[size], size[0] * size[1], size[0], size[1]))
 
 
 def decode_rgb(data: bytes) -> np.ndarray:

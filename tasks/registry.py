@@ -18,6 +18,8 @@ if TYPE_CHECKING:
 
 TAG_MODEL_VERSION = "sluicegate.model_version"
 TAG_EVAL_GATE = "sluicegate.eval_gate"
+# On registered models the pipeline made: the registry may hold other teams' models too.
+TAG_MANAGED = "sluicegate.managed"
 ARTIFACT_PATH = "model"
 CHAMPION = "champion"
 CHALLENGER = "challenger"
@@ -75,10 +77,16 @@ def register_version(
     client = tracking.client(tracking_uri)
     client.log_artifacts(run_id, str(version_dir), artifact_path=ARTIFACT_PATH)
     try:
-        client.create_registered_model(model_name, description="sluicegate: gated models from S3 dataset versions")
+        client.create_registered_model(
+            model_name,
+            tags={TAG_MANAGED: "true"},
+            description="sluicegate: gated models from S3 dataset versions",
+        )
     except MlflowException as exc:
         if exc.error_code != "RESOURCE_ALREADY_EXISTS":
             raise
+        # A model registered before the tag existed, or by hand: it becomes one of ours now.
+        client.set_registered_model_tag(model_name, TAG_MANAGED, "true")
     artifact_uri = client.get_run(run_id).info.artifact_uri.rstrip("/")
     created = client.create_model_version(
         model_name,
@@ -88,6 +96,43 @@ def register_version(
         description=f"{model_version}",
     )
     return str(created.version)
+
+
+@dataclass(frozen=True)
+class ModelSummary:
+    """A registered model of ours, for ``sluicegate models ls``."""
+
+    name: str
+    aliases: dict[str, str]  # alias -> registry version
+    latest: str | None  # newest registry version
+    updated_ms: int | None
+
+
+def models(tracking_uri: str) -> list[ModelSummary]:
+    """Every registered model the pipeline created (tag ``sluicegate.managed``), by name; other models
+    sharing the registry are left out."""
+    client = tracking.client(tracking_uri)
+    found: list[ModelSummary] = []
+    token = None
+    while True:
+        page = client.search_registered_models(f"tags.`{TAG_MANAGED}` = 'true'", max_results=200, page_token=token)
+        for model in page:
+            versions = [int(v.version) for v in model.latest_versions or []]
+            found.append(
+                ModelSummary(
+                    model.name,
+                    {alias: str(number) for alias, number in (model.aliases or {}).items()},
+                    str(max(versions)) if versions else None,
+                    model.last_updated_timestamp,
+                )
+            )
+        token = page.token
+        if not token:
+            return sorted(found, key=lambda m: m.name)
+
+
+def model_names(tracking_uri: str) -> list[str]:
+    return [model.name for model in models(tracking_uri)]
 
 
 def get_version(tracking_uri: str, model_name: str, registry_version: str) -> RegistryVersion:

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from sluicegate import ids
 from tasks import datasets
@@ -36,12 +37,32 @@ class RetrainDecision:
 def newest_dataset(s3: S3Client, bucket: str, datasets_prefix: str) -> NewestDataset | None:
     """The newest manifest in the bucket with its data version (sha256 of its bytes), or None."""
     found = datasets.newest_manifest(s3, bucket, datasets_prefix)
-    if found is None:
-        return None
-    key, version_id = found
+    return None if found is None else _pinned(s3, bucket, *found)
+
+
+def _pinned(s3: S3Client, bucket: str, key: str, version_id: str | None) -> NewestDataset:
     # Read the version just listed, so a manifest written meanwhile cannot swap the bytes hashed.
     manifest, _, version = datasets.read_manifest(s3, bucket, key, version_id)
     return NewestDataset(key, version or version_id, ids.data_version(manifest))
+
+
+def newest_per_model(
+    s3: S3Client, bucket: str, datasets_prefix: str, model_of: Callable[[str], str]
+) -> dict[str, NewestDataset]:
+    """Each model's newest dataset version: the newest manifest among the datasets that feed it.
+
+    Args:
+        model_of: dataset name -> the model it trains (``sluicegate.model_specs.model_for_dataset``).
+    """
+    chosen: dict[str, tuple[Any, str]] = {}
+    for name, (modified, key) in datasets.newest_manifests(s3, bucket, datasets_prefix).items():
+        model = model_of(name)
+        if model not in chosen or (modified, key) > chosen[model]:
+            chosen[model] = (modified, key)
+    return {
+        model: _pinned(s3, bucket, key, datasets.manifest_version_id(s3, bucket, key))
+        for model, (_, key) in sorted(chosen.items())
+    }
 
 
 def champion_data_version(tracking_uri: str, model_name: str) -> tuple[str, str] | None:

@@ -1,9 +1,19 @@
 """Gate 3, the train gate: was the training run itself stable, and like the earlier runs of this model?
 
-DESIGN section 5: the per-epoch training-loss curve is finite and smooth (mean absolute second difference
-of the min-max normalised curve under a bound); with a history of earlier runs of the same model, the
-final loss is within a tolerance of their mean, and so is the peak memory. The first run has no history:
-it is held to finiteness and smoothness only, and its metrics become the history of the next.
+DESIGN section 5: the training loss is finite, smooth and never far above where it started; with a history
+of earlier runs of the same model, the final loss is within a tolerance of their mean, and so is the peak
+memory. The first run has no history: it is held to the checks of the run alone, and its metrics become the
+history of the next.
+
+Smoothness is read from every training step's loss, not from per-epoch means: the step losses are
+averaged over moving windows into 20 evenly spaced points (each point the mean of a tenth of the run,
+centred on it), and the roughness is the mean absolute second difference of that curve scaled to [0, 1].
+A short run on a small dataset has a handful of epochs, where one uneven epoch decides the score; 20
+points of a tenth of the run each average out batch noise, and still show a loss that oscillates or climbs.
+
+Scaling to [0, 1] hides how far a loss went: a run whose loss leaps a thousandfold in its first steps and
+then creeps back looks like a smooth decay. So "loss rise" bounds the smoothed curve's peak by a multiple
+of the first step's loss, the loss of the untrained model (about ln(classes)).
 
 The history is read back from the metrics this gate recorded (``gate_metrics``, ``history_from_metrics``),
 so the metadata store needs no table of its own for it.
@@ -20,6 +30,14 @@ from sluicegate.settings import TrainGateSettings
 from tasks.verdicts import Check, GateVerdict
 
 GATE = "train"
+# The smoothed curve: this many points, each the mean of the steps in a window of WINDOW of the run centred
+# on it. Twenty points resolve the shape of a run (the early drop, the plateau, a late climb); a window of
+# a tenth of the run (twice the spacing, so neighbouring windows overlap by half) averages a run of a few
+# hundred steps over tens of batches per point, which brings batch-to-batch noise well under the bound.
+SMOOTH_POINTS = 20
+WINDOW = 0.1
+# Fewer steps than this are judged on the per-epoch curve (two steps per point at least).
+MIN_STEPS = 2 * SMOOTH_POINTS
 
 
 @dataclass(frozen=True)
@@ -48,18 +66,64 @@ def roughness(curve: Sequence[float]) -> float:
     return sum(seconds) / len(seconds)
 
 
-def gate_metrics(curve: Sequence[float], peak_memory_bytes: int) -> dict[str, Any]:
+def smoothed_curve(step_losses: Sequence[float], points: int = SMOOTH_POINTS) -> list[float]:
+    """``points`` evenly spaced moving means of the step losses, each over ``WINDOW`` of the run.
+
+    A run of at most ``points`` steps is returned as it is (finite values only). Non-finite steps are left
+    out of the means, and a window with no finite step gives no point: the finiteness check reports them.
+    """
+    values = [float(v) for v in step_losses]
+    if len(values) <= points:
+        return [v for v in values if math.isfinite(v)]
+    half = max(WINDOW * len(values), 1.0) / 2
+    curve = []
+    for index in range(points):
+        centre = (index + 0.5) * len(values) / points
+        window = values[max(0, math.floor(centre - half)) : min(len(values), math.ceil(centre + half))]
+        finite = [v for v in window if math.isfinite(v)]
+        if finite:
+            curve.append(math.fsum(finite) / len(finite))
+    return curve
+
+
+def loss_rise(smoothed: Sequence[float], start: float) -> float:
+    """Peak of the smoothed curve over the starting loss; 0 when either is missing (nothing to compare:
+    the finiteness check reports a run without finite losses)."""
+    values = [float(v) for v in smoothed if math.isfinite(v)]
+    if not values or not math.isfinite(start):
+        return 0.0
+    if start <= 0:
+        return 0.0 if max(values) <= 0 else math.inf
+    return max(values) / start
+
+
+def gate_metrics(curve: Sequence[float], peak_memory_bytes: int, step_losses: Sequence[float] = ()) -> dict[str, Any]:
     """The metrics a train-gate verdict records: enough for ``history_from_metrics`` to rebuild a run.
 
-    Non-finite losses are written as None: the metrics are stored as JSON, which has no NaN or Infinity.
+    ``roughness`` and ``loss_rise`` read ``smoothed_curve(step_losses)`` and the first finite step loss
+    when there are step losses, else the per-epoch ``curve`` and its first finite point (as before step
+    losses were recorded). Non-finite losses are written as None: the metrics are stored as JSON, which
+    has no NaN or Infinity.
     """
     points = [float(v) if math.isfinite(v) else None for v in curve]
+    # A run of a few dozen steps has too few for moving means (each window would hold one or two noisy
+    # batches): its per-epoch means are the smoother view, as before step losses were recorded.
+    use_steps = len(step_losses) >= MIN_STEPS
+    # The start is the untrained model's loss whenever steps were recorded (an epoch mean already holds
+    # a blow-up of the first steps).
+    raw = step_losses if step_losses else curve
+    smoothed = smoothed_curve(step_losses) if use_steps else [float(v) for v in curve if math.isfinite(v)]
+    start = next((float(v) for v in raw if math.isfinite(v)), math.nan)
     return {
         "train_loss_curve": points,
         "final_loss": points[-1] if points else None,
         "peak_memory_bytes": int(peak_memory_bytes),
-        "roughness": roughness(curve),
+        "roughness": roughness(smoothed),
+        "smoothed_loss_curve": smoothed,
+        "initial_loss": start if math.isfinite(start) else None,
+        "loss_rise": _shown(loss_rise(smoothed, start)),
         "epochs": len(points),
+        "steps": len(step_losses),
     }
 
 
@@ -87,16 +151,20 @@ def train_gate(
     settings: TrainGateSettings,
     *,
     val_curve: Sequence[float] = (),
+    step_losses: Sequence[float] = (),
 ) -> GateVerdict:
     """Judge one training run.
 
     Args:
-        result_curve: per-epoch mean training loss (``TrainingResult.train_loss_curve``).
+        result_curve: per-epoch mean training loss (``TrainingResult.train_loss_curve``); finiteness and
+            the final loss are read from it.
         peak_memory_bytes: the run's peak (``TrainingResult.peak_memory_bytes``).
         history: earlier runs of the same model, oldest first; the last ``settings.history_runs`` count.
         settings: the train-gate group of the platform settings.
         val_curve: per-epoch validation loss; a non-finite value fails "finite loss" too (weights that
             blew up can leave the last training-loss mean finite).
+        step_losses: every step's training loss (``TrainingResult.step_losses``); smoothness is read from
+            ``smoothed_curve`` of them. Empty: from ``result_curve`` itself (a run recorded before steps were).
 
     Returns:
         Checks "finite loss" and "loss smoothness", then either "history" (first run, passed) or
@@ -104,8 +172,8 @@ def train_gate(
         history means.
     """
     curve = [float(v) for v in result_curve]
-    checks = _stability_checks(curve, val_curve, settings)
-    metrics = gate_metrics(curve, peak_memory_bytes)
+    metrics = gate_metrics(curve, peak_memory_bytes, step_losses)
+    checks = _stability_checks(curve, val_curve, metrics, settings)
     recent = list(history)[-settings.history_runs :]
     if not recent:
         checks.append(Check("history", "first run", "-", True, detail="no earlier runs; this run starts the history"))
@@ -114,8 +182,11 @@ def train_gate(
     return GateVerdict(GATE, tuple(checks + history_checks), {**metrics, **history_metrics})
 
 
-def _stability_checks(curve: list[float], val_curve: Sequence[float], settings: TrainGateSettings) -> list[Check]:
-    """The checks of the run alone: "finite loss" (both curves) and "loss smoothness" (training curve)."""
+def _stability_checks(
+    curve: list[float], val_curve: Sequence[float], metrics: Mapping[str, Any], settings: TrainGateSettings
+) -> list[Check]:
+    """The checks of the run alone: "finite loss" (both curves), "loss smoothness" and "loss rise" (the
+    smoothed curve, from ``gate_metrics``)."""
     bad = sorted(
         {i + 1 for i, v in enumerate(curve) if not math.isfinite(v)}
         | {i + 1 for i, v in enumerate(val_curve) if not math.isfinite(float(v))}
@@ -129,10 +200,20 @@ def _stability_checks(curve: list[float], val_curve: Sequence[float], settings: 
             detail=f"non-finite at epoch(s) {bad[:5]}" if bad else ("" if curve else "empty loss curve"),
         ),
     ]
-    rough = roughness(curve)
-    checks.append(
-        Check("loss smoothness", round(rough, 6), f"<= {settings.max_roughness:g}", rough <= settings.max_roughness)
-    )
+    rough, rise = metrics["roughness"], metrics["loss_rise"]
+    rise_passed = isinstance(rise, float) and rise <= settings.max_loss_rise  # inf is shown as the string "inf"
+    peak = max(metrics["smoothed_loss_curve"], default=math.nan)
+    start = math.nan if metrics["initial_loss"] is None else metrics["initial_loss"]
+    checks += [
+        Check("loss smoothness", round(rough, 6), f"<= {settings.max_roughness:g}", rough <= settings.max_roughness),
+        Check(
+            "loss rise",
+            rise,
+            f"<= {settings.max_loss_rise:g} x the first step's",
+            rise_passed,
+            detail=f"smoothed peak {peak:.4g}, first step {start:.4g}",
+        ),
+    ]
     return checks
 
 

@@ -1,9 +1,11 @@
-"""Gate 3's training run: a small CNN trained on the train split, scored on val each epoch, and its checkpoints.
+"""Gate 3's training run: a residual CNN trained on the train split, scored on val each epoch, and its checkpoints.
 
 The inputs come from ``tasks.training_data.load_split``, made by ``serving.preprocessing.preprocess``, the
-code the model server runs, so the model is trained on exactly the tensors it will be served. Augmentation
-only flips and rotates those tensors by multiples of 90 degrees: per-channel normalisation commutes with
-both, so the contract holds.
+code the model server runs, so the model is trained on tensors like those it will be served (one grey
+channel or three). Settings left unset are resolved from the data first (``resolve_training``): the
+architecture from the input size, the epoch budget from the training-set size. Augmentation
+(``tasks.augment``) moves, turns and zooms the normalised tensors a little and mirrors them only when the
+settings allow it.
 
 On the CPU a run is deterministic: the same data, settings and seed give bit-identical weights (global RNG
 state and the deterministic-algorithms flag are restored afterwards). Checkpoints are safetensors, never
@@ -18,7 +20,7 @@ import logging
 import math
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import numpy as np
@@ -28,7 +30,8 @@ from torch import nn
 
 from sluicegate.errors import ConfigError
 from sluicegate.settings import TrainingSettings
-from tasks.model_zoo import build_model
+from tasks.augment import AugmentPolicy, augment
+from tasks.model_zoo import build_model, default_shape
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +39,98 @@ log = logging.getLogger(__name__)
 EVAL_BATCH = 256
 
 Split = tuple[npt.NDArray[np.float32], npt.NDArray[np.int64]]
+
+# The epoch budget, when unset, is about this many training images seen in all, within the bounds below.
+# A fixed number of images seen (rather than of epochs) keeps the run's cost about constant across dataset
+# sizes: 1,257 digits get 16 epochs (about a minute on two CPU cores at 32x32), 140 images the maximum of 60
+# (a set that small needs many passes for the schedule to settle, and each pass is cheap). The floor of 10
+# lets a large set still anneal the learning rate over several passes; early stopping ends a run sooner
+# when validation loss stops improving.
+IMAGES_SEEN = 20_000
+MIN_EPOCHS, MAX_EPOCHS = 10, 60
+# resnet-small keeps every pixel of an input below this side; resnet-wide halves larger ones in its stem.
+WIDE_FROM = 64
+
+
+@dataclass(frozen=True)
+class ResolvedTraining:
+    """The training settings with every "auto" or unset field chosen: what a run actually used."""
+
+    arch: str
+    width: int
+    blocks: tuple[int, ...]
+    epochs: int
+    patience: int
+    batch_size: int
+    learning_rate: float
+    weight_decay: float
+    augment_shift: float
+    augment_rotate_degrees: float
+    augment_scale: float
+    augment_flips: bool
+    augment_quarter_turns: bool
+    channels: int
+
+    def params(self) -> dict[str, str | int | float | bool]:
+        """Flat parameters for MLflow (``blocks`` as "2,2,2,2": MLflow params are scalars)."""
+        values = {field.name: getattr(self, field.name) for field in fields(self)}
+        return {**values, "blocks": ",".join(str(count) for count in self.blocks)}
+
+    def augment_policy(self) -> AugmentPolicy:
+        return AugmentPolicy(
+            shift=self.augment_shift,
+            rotate_degrees=self.augment_rotate_degrees,
+            scale=self.augment_scale,
+            flips=self.augment_flips,
+            quarter_turns=self.augment_quarter_turns,
+        )
+
+
+def resolve_training(
+    settings: TrainingSettings, *, channels: int, height: int, width: int, train_count: int
+) -> ResolvedTraining:
+    """Choose what ``settings`` leaves to the data; set fields are kept as they are.
+
+    Args:
+        settings: the training group of the platform settings.
+        channels: input channels, 1 or 3.
+        height: input height in pixels.
+        width: input width in pixels.
+        train_count: images in the training split.
+
+    Returns:
+        arch "auto": resnet-small below ``WIDE_FROM`` pixels on the shorter side, resnet-wide from there;
+        width and blocks: the architecture's; epochs: ``IMAGES_SEEN / train_count`` rounded, within
+        [``MIN_EPOCHS``, ``MAX_EPOCHS``]; patience: ``max(4, epochs // 4)``.
+
+    Raises:
+        ValueError: ``channels`` is not 1 or 3, or a size or count is not positive.
+    """
+    if channels not in (1, 3):
+        raise ValueError(f"channels must be 1 (grey) or 3 (colour), got {channels}")
+    if min(height, width, train_count) < 1:
+        raise ValueError(f"height, width and train_count must be >= 1, got {height}, {width}, {train_count}")
+    arch = settings.arch
+    if arch == "auto":
+        arch = "resnet-small" if min(height, width) < WIDE_FROM else "resnet-wide"
+    default_width, default_blocks = default_shape(arch)
+    epochs = settings.epochs or min(MAX_EPOCHS, max(MIN_EPOCHS, round(IMAGES_SEEN / train_count)))
+    return ResolvedTraining(
+        arch=arch,
+        width=settings.width or default_width,
+        blocks=tuple(settings.blocks) if settings.blocks else default_blocks,
+        epochs=epochs,
+        patience=settings.patience or max(4, epochs // 4),
+        batch_size=settings.batch_size,
+        learning_rate=settings.learning_rate,
+        weight_decay=settings.weight_decay,
+        augment_shift=settings.augment_shift,
+        augment_rotate_degrees=settings.augment_rotate_degrees,
+        augment_scale=settings.augment_scale,
+        augment_flips=settings.augment_flips,
+        augment_quarter_turns=settings.augment_quarter_turns,
+        channels=channels,
+    )
 
 
 @dataclass(frozen=True)
@@ -62,7 +157,9 @@ class TrainingResult:
     amp: bool  # bf16 autocast was actually used (requested and on CUDA)
     parameters: int
     stopped_early: bool  # patience ran out or the loss became non-finite
-    train_loss_curve: tuple[float, ...]  # per-epoch mean training loss: what the train gate reads
+    train_loss_curve: tuple[float, ...]  # per-epoch mean training loss
+    step_losses: tuple[float, ...]  # every training step's batch loss, in order: the train gate's smoothness
+    resolved: ResolvedTraining  # the settings the run used, unset ones chosen from the data
 
 
 def train(
@@ -73,10 +170,11 @@ def train(
     *,
     on_epoch: Callable[[EpochRecord], None] | None = None,
 ) -> tuple[nn.Module, TrainingResult]:
-    """Train ``settings.arch`` with AdamW and a cosine schedule, early-stopping on validation loss.
+    """Train the model ``resolve_training`` chooses with AdamW and a cosine schedule, early-stopping on
+    validation loss.
 
     Args:
-        train: ``(X, y)`` from ``load_split``.
+        train: ``(X, y)`` from ``load_split``: float32 ``(N, C, H, W)`` with C 1 or 3, int64 labels.
         val: ``(X, y)`` from ``load_split`` with the training labels.
         labels: class index -> label.
         settings: the training group of the platform settings.
@@ -85,7 +183,7 @@ def train(
     Returns:
         The model with the weights of its best validation epoch, in eval mode, on the training device, and
         the run's summary. A non-finite loss stops training without raising; it stays in
-        ``train_loss_curve`` for the train gate to fail.
+        ``train_loss_curve`` and ``step_losses`` for the train gate to fail.
 
     Raises:
         ValueError: arrays of the wrong shape or dtype, empty splits or labels out of range.
@@ -93,15 +191,22 @@ def train(
     """
     _check_split("train", train, len(labels))
     _check_split("val", val, len(labels))
+    if val[0].shape[1:] != train[0].shape[1:]:
+        raise ValueError(f"val X must have train's (C, H, W) {train[0].shape[1:]}, got {val[0].shape[1:]}")
+    _, channels, height, width = train[0].shape
+    resolved = resolve_training(settings, channels=channels, height=height, width=width, train_count=len(train[0]))
     device = _device(settings.device)
     amp = settings.amp and device.type == "cuda"
     # The global RNGs are forked so seeding here does not change what the caller draws afterwards.
     forked = [device.index or 0] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=forked), _deterministic(device.type == "cpu"):
         torch.manual_seed(settings.seed)
-        model = build_model(settings.arch, len(labels), width=settings.width, blocks=settings.blocks).to(device)
+        model = build_model(
+            resolved.arch, len(labels), in_channels=channels, width=resolved.width, blocks=resolved.blocks
+        ).to(device)
         meter = _PeakMemory(device, model)
-        history, best_state, stopped_early = _fit(model, train, val, settings, device, amp, meter, on_epoch)
+        run = _Run(resolved, settings.seed, device, amp, meter)
+        history, steps, best_state, stopped_early = _fit(model, train, val, run, on_epoch)
     if best_state is not None:
         model.load_state_dict(best_state)
     model.eval()
@@ -118,21 +223,32 @@ def train(
         parameters=sum(p.numel() for p in model.parameters()),
         stopped_early=stopped_early,
         train_loss_curve=tuple(record.train_loss for record in history),
+        step_losses=tuple(steps),
+        resolved=resolved,
     )
     return model, result
+
+
+@dataclass(frozen=True)
+class _Run:
+    """What every epoch of one run shares."""
+
+    settings: ResolvedTraining
+    seed: int
+    device: torch.device
+    amp: bool
+    meter: _PeakMemory
 
 
 def _fit(
     model: nn.Module,
     train: Split,
     val: Split,
-    settings: TrainingSettings,
-    device: torch.device,
-    amp: bool,
-    meter: _PeakMemory,
+    run: _Run,
     on_epoch: Callable[[EpochRecord], None] | None,
-) -> tuple[list[EpochRecord], dict[str, torch.Tensor] | None, bool]:
-    """The epoch loop: (history, best weights (None: no finite validation loss), stopped early)."""
+) -> tuple[list[EpochRecord], list[float], dict[str, torch.Tensor] | None, bool]:
+    """The epoch loop: (history, step losses, best weights (None: no finite validation loss), stopped early)."""
+    settings = run.settings
     x_train, y_train = torch.from_numpy(train[0]), torch.from_numpy(train[1])
     x_val, y_val = torch.from_numpy(val[0]), torch.from_numpy(val[1])
     steps = _steps_per_epoch(len(x_train), settings.batch_size)
@@ -140,16 +256,18 @@ def _fit(
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=settings.epochs * steps)
     # A generator of its own (on the CPU, whatever the device) makes data order and augmentation a
     # function of the seed alone.
-    generator = torch.Generator().manual_seed(settings.seed)
+    generator = torch.Generator().manual_seed(run.seed)
     history: list[EpochRecord] = []
+    step_losses: list[float] = []
     best_loss, best_state, waited = math.inf, None, 0
     for epoch in range(1, settings.epochs + 1):
         started = time.perf_counter()
-        train_loss, images = _train_epoch(
-            model, optimizer, scheduler, x_train, y_train, settings, device, amp, generator, meter
-        )
+        losses = _train_epoch(model, optimizer, scheduler, x_train, y_train, run, generator)
         train_seconds = time.perf_counter() - started
-        val_loss, val_accuracy = _evaluate(model, x_val, y_val, device, amp)
+        step_losses += losses
+        train_loss = math.fsum(losses) / len(losses)
+        images = min(len(losses) * settings.batch_size, len(x_train))
+        val_loss, val_accuracy = _evaluate(model, x_val, y_val, run.device, run.amp)
         record = EpochRecord(
             epoch=epoch,
             train_loss=train_loss,
@@ -171,15 +289,15 @@ def _fit(
             on_epoch(record)
         if not math.isfinite(train_loss) or not math.isfinite(val_loss):
             log.warning("epoch %d: non-finite loss (train %s, val %s); training stopped", epoch, train_loss, val_loss)
-            return history, best_state, True
+            return history, step_losses, best_state, True
         if val_loss < best_loss:
             best_loss, waited = val_loss, 0
             best_state = {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
         else:
             waited += 1
             if waited >= settings.patience:
-                return history, best_state, epoch < settings.epochs
-    return history, best_state, False
+                return history, step_losses, best_state, epoch < settings.epochs
+    return history, step_losses, best_state, False
 
 
 def _train_epoch(
@@ -188,21 +306,19 @@ def _train_epoch(
     scheduler: torch.optim.lr_scheduler.LRScheduler,
     x: torch.Tensor,
     y: torch.Tensor,
-    settings: TrainingSettings,
-    device: torch.device,
-    amp: bool,
+    run: _Run,
     generator: torch.Generator,
-    meter: _PeakMemory,
-) -> tuple[float, int]:
-    """One pass over the shuffled training set: (mean batch loss, non-finite if any batch's was; images seen)."""
+) -> list[float]:
+    """One pass over the shuffled training set: each step's batch loss (non-finite ones included)."""
     model.train()
-    square = x.shape[2] == x.shape[3]
-    total = torch.zeros((), dtype=torch.float64, device=device)
-    batches = images = 0
-    for indices in _batches(len(x), settings.batch_size, generator):
-        inputs = _augment(x[indices], generator, square=square).to(device, non_blocking=True)
+    policy = run.settings.augment_policy()
+    meter, device = run.meter, run.device
+    losses: list[torch.Tensor] = []
+    for indices in _batches(len(x), run.settings.batch_size, generator):
+        # Augmented on the CPU, where the generator is, before the copy to the device.
+        inputs = augment(x[indices], policy, generator).to(device, non_blocking=True)
         targets = y[indices].to(device, non_blocking=True)
-        with meter.forward(inputs), torch.autocast(device_type="cuda", dtype=torch.bfloat16, enabled=amp):
+        with meter.forward(inputs), torch.autocast(device_type="cuda", dtype=torch.bfloat16, enabled=run.amp):
             logits: torch.Tensor = model(inputs)
             loss = nn.functional.cross_entropy(logits, targets)
         optimizer.zero_grad(set_to_none=True)
@@ -210,11 +326,9 @@ def _train_epoch(
         optimizer.step()
         meter.after_step(model, optimizer)
         scheduler.step()
-        # Summed on the device and read once per epoch: a per-batch .item() would stall a GPU every step.
-        total += loss.detach().double()
-        batches += 1
-        images += len(indices)
-    return float(total.item()) / batches, images
+        # Kept on the device and read once per epoch: a per-batch .item() would stall a GPU every step.
+        losses.append(loss.detach().float())
+    return [float(value) for value in torch.stack(losses).cpu().tolist()]
 
 
 def _batches(count: int, batch_size: int, generator: torch.Generator) -> Iterator[torch.Tensor]:
@@ -227,26 +341,6 @@ def _steps_per_epoch(count: int, batch_size: int) -> int:
     # A trailing batch of one image is dropped: batch norm cannot normalise a single sample in training.
     full, rest = divmod(count, batch_size)
     return full + (1 if rest > 1 or (rest == 1 and full == 0) else 0)
-
-
-def _augment(x: torch.Tensor, generator: torch.Generator, *, square: bool) -> torch.Tensor:
-    """A random symmetry of each image: the 8 of the square (flips, 90-degree turns), or for non-square
-    inputs the 4 that keep the shape. The rendered joints appear at any orientation, so labels hold."""
-    choices = torch.randint(0, 8 if square else 4, (len(x),), generator=generator)
-    out = x.clone()
-    for choice in range(8 if square else 4):
-        picked = (choices == choice).nonzero().flatten()
-        if len(picked) == 0 or choice == 0:
-            continue
-        sub = x[picked]
-        if square:
-            sub = torch.rot90(sub, choice % 4, dims=(2, 3))
-            if choice >= 4:
-                sub = sub.flip(3)
-        else:
-            sub = sub.flip([axis for bit, axis in ((1, 2), (2, 3)) if choice & bit])
-        out[picked] = sub
-    return out
 
 
 @torch.no_grad()
@@ -275,8 +369,8 @@ def _best(history: Sequence[EpochRecord]) -> EpochRecord:
 
 def _check_split(name: str, split: Split, classes: int) -> None:
     x, y = split
-    if x.ndim != 4 or x.shape[1] != 3 or x.dtype != np.float32:
-        raise ValueError(f"{name} X must be float32 (N, 3, H, W) from load_split, got {x.dtype} {x.shape}")
+    if x.ndim != 4 or x.shape[1] not in (1, 3) or x.dtype != np.float32:
+        raise ValueError(f"{name} X must be float32 (N, C, H, W), C 1 or 3, from load_split, got {x.dtype} {x.shape}")
     if y.shape != (len(x),) or y.dtype != np.int64:
         raise ValueError(f"{name} y must be int64 of shape ({len(x)},), got {y.dtype} {y.shape}")
     if len(x) == 0:

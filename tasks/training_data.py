@@ -48,9 +48,9 @@ def load_split(
         concurrency: objects read and decoded in parallel.
 
     Returns:
-        ``(X, y, labels)``: float32 ``(N, 3, H, W)``, int64 ``(N,)`` and the labels ``y`` indexes. Rows
-        with an empty label, and images that are missing or do not decode, are skipped (the data gate
-        reports those).
+        ``(X, y, labels)``: float32 ``(N, C, H, W)`` (C: the spec's channels), int64 ``(N,)`` and the
+        labels ``y`` indexes. Rows with an empty label, and images that are missing or do not decode,
+        are skipped (the data gate reports those).
 
     Raises:
         DatasetError: the manifest cannot be read, the split has no usable rows, or a row's label is not

@@ -3,7 +3,10 @@
 The baseline is ``config.json``'s ``drift_baseline``, written by ``tasks.image_stats.channel_baseline``:
 ``{"r": [...], "g": [...], "b": [...]}``, one value per training image, each the mean of that channel
 over the decoded uint8 RGB image, on the **0..255** scale. ``channel_means`` rebuilds the same values
-from the normalised model input, so the two samples are comparable.
+from the normalised model input, so the two samples are comparable. A one-channel model (preprocessing
+colour "L") sees only the grey channel, so it is watched on one feature, ``l``: the per-image mean luma
+(ITU-R 601, as the preprocessing computes it), which ``baseline_features`` derives from the same r/g/b
+baseline (the mean is linear: the luma of an image's channel means is the mean of its luma).
 
 Thresholds and false alarms. An alarm needs both KS > ``ks_threshold`` (0.15, an effect size) and
 p < ``p_threshold`` (0.01). The p-value alone would not do: 3 features tested every 100 images is
@@ -32,10 +35,13 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from serving.preprocessing import LUMA_WEIGHTS, input_channels
+
 log = logging.getLogger(__name__)
 
 FloatArray = npt.NDArray[np.float64]
 CHANNELS = ("r", "g", "b")
+GREY = "l"  # the one feature of a colour "L" (one grey channel) model: per-image mean luma
 PIXEL_SCALE = 255.0  # channel_baseline's scale: means of uint8 pixel values
 
 
@@ -250,43 +256,75 @@ def rgb_baseline(drift_baseline: Mapping[str, Any]) -> dict[str, list[float]] | 
     return found if all(found.values()) else None
 
 
+def baseline_features(
+    drift_baseline: Mapping[str, Any], preprocessing: Mapping[str, Any]
+) -> dict[str, list[float]] | None:
+    """The features a version is watched on, with their training samples, from its ``config.json``.
+
+    RGB and BGR models: ``rgb_baseline``. Colour "L" models: ``{"l": [...]}``, the baseline's own ``l``
+    list when it has one, else the luma of its r/g/b lists image by image, on the same 0..255 scale.
+    None when there is no usable baseline: serve that version without a drift monitor.
+    """
+    if input_channels(preprocessing) == 3:
+        return rgb_baseline(drift_baseline)
+    try:
+        own = [float(v) for v in drift_baseline[GREY]]
+    except (KeyError, TypeError, ValueError):
+        own = []
+    if own:
+        return {GREY: own}
+    rgb = rgb_baseline(drift_baseline)
+    if rgb is None or len({len(values) for values in rgb.values()}) != 1:
+        return None  # channels of unequal length cannot be paired image by image
+    wr, wg, wb = LUMA_WEIGHTS
+    return {GREY: [wr * r + wg * g + wb * b for r, g, b in zip(rgb["r"], rgb["g"], rgb["b"], strict=True)]}
+
+
 def channel_means(
     batch: npt.ArrayLike, preprocessing: Mapping[str, Any], *, scale: float = PIXEL_SCALE
 ) -> dict[str, FloatArray]:
-    """Per-image RGB channel means of a normalised NCHW model input, on the baseline's scale.
+    """Per-image channel means of a normalised NCHW model input, on the baseline's scale.
 
     Undoes ``serving.preprocessing.preprocess``: channels are in ``preprocessing["colour"]`` order
-    ("RGB" or "BGR"), each normalised as ``(x - mean[c]) / std[c]`` with ``mean``/``std`` in RGB order.
+    ("RGB" or "BGR"), each normalised as ``(x - mean[c]) / std[c]`` with ``mean``/``std`` in RGB order;
+    colour "L" has one grey channel, normalised with its one mean and std.
     The mean is linear, so the spatial mean is taken first and un-normalised after: ``mean(x) * std +
     mean``, times ``scale``. The baseline was measured on the full-size image and this on the resized
     one; bilinear resizing keeps the mean to within a fraction of a grey level on natural images.
 
     Args:
-        batch: ``(N, 3, H, W)`` floats.
+        batch: ``(N, 3, H, W)`` floats, ``(N, 1, H, W)`` for colour "L".
         preprocessing: The model's ``config.json`` ``preprocessing`` (``PreprocessSpec.to_dict()``);
             ``mean`` and ``std`` are required, ``colour`` defaults to "RGB".
         scale: 255 for ``channel_baseline``'s uint8 scale, 1 for 0..1.
 
     Returns:
-        ``{"r": (N,), "g": (N,), "b": (N,)}``.
+        ``{"r": (N,), "g": (N,), "b": (N,)}``; ``{"l": (N,)}`` for colour "L".
 
     Raises:
-        ValueError: the batch is not ``(N, 3, H, W)``, or ``preprocessing`` lacks a usable mean/std/colour.
+        ValueError: the batch does not have the colour's channels, or ``preprocessing`` lacks a usable
+            mean/std/colour.
     """
     array = np.asarray(batch)
-    if array.ndim != 4 or array.shape[1] != 3:
-        raise ValueError(f"channel_means needs an (N, 3, H, W) batch, got shape {array.shape}")
     colour = preprocessing.get("colour", "RGB")
-    if colour not in ("RGB", "BGR"):
-        raise ValueError(f"preprocessing colour must be 'RGB' or 'BGR', got {colour!r}")
+    if colour not in ("RGB", "BGR", "L"):
+        raise ValueError(f"preprocessing colour must be 'RGB', 'BGR' or 'L', got {colour!r}")
+    channels = input_channels(preprocessing)
+    if array.ndim != 4 or array.shape[1] != channels:
+        raise ValueError(
+            f"channel_means needs an (N, {channels}, H, W) batch for colour {colour}, got shape {array.shape}"
+        )
+    what = "(grey)" if channels == 1 else "(R, G, B)"
     try:
         mean = [float(v) for v in preprocessing["mean"]]
         std = [float(v) for v in preprocessing["std"]]
     except (KeyError, TypeError, ValueError) as exc:
-        raise ValueError(f"preprocessing needs numeric 'mean' and 'std' (R, G, B): {exc}") from exc
-    if len(mean) != 3 or len(std) != 3:
-        raise ValueError(f"preprocessing mean and std need 3 values (R, G, B), got {mean} and {std}")
-    spatial = array.mean(axis=(2, 3), dtype=np.float64)  # (N, 3) in tensor channel order
+        raise ValueError(f"preprocessing needs numeric 'mean' and 'std' {what}: {exc}") from exc
+    if len(mean) != channels or len(std) != channels:
+        raise ValueError(f"preprocessing mean and std need {channels} value(s) {what}, got {mean} and {std}")
+    spatial = array.mean(axis=(2, 3), dtype=np.float64)  # (N, C) in tensor channel order
+    if channels == 1:
+        return {GREY: (spatial[:, 0] * std[0] + mean[0]) * scale}
     order = (0, 1, 2) if colour == "RGB" else (2, 1, 0)  # tensor channel -> RGB index
     out: dict[str, FloatArray] = {}
     for channel, rgb in enumerate(order):

@@ -85,10 +85,38 @@ def test_train_writes_a_verified_repository_version(tmp_path: Path) -> None:
         SLUICEGATE_HOME=str(tmp_path),
     )
     assert result.exit_code == 0, result.output
-    [version_dir] = list((tmp_path / "repo" / "pcb-classifier").iterdir())
+    # The model is named after the dataset (the folder, for a local one) unless --model says otherwise.
+    [version_dir] = list((tmp_path / "repo" / "d").iterdir())
     config = verify_version(version_dir)
     assert config.platform == "onnxruntime" and config.labels == ["bridge", "excess", "good", "insufficient"]
+    assert config.inputs[0]["shape"] == [-1, 3, 32, 32]  # the sample's RGB 64x64, shrunk to max_size
     assert "TensorRT engine: skipped" in result.output
+
+
+def test_make_digits_writes_real_grey_scans_and_train_fits_them(tmp_path: Path) -> None:
+    from serving.model_format import verify_version
+
+    made = run(["dataset", "make-digits", str(tmp_path / "pair"), "--size", "20", "--classes", "3,8"])
+    assert made.exit_code == 0, made.output
+    rows = (tmp_path / "pair" / "manifest.csv").read_text().splitlines()[1:]
+    assert {row.split(",")[1] for row in rows} == {"3", "8"} and {row.split(",")[2] for row in rows} == {
+        "train",
+        "val",
+        "test",
+    }
+    bad = run(["dataset", "make-digits", str(tmp_path / "none"), "--classes", "3,x"])
+    assert bad.exit_code == 2 and "--classes" in bad.output
+    result = run(
+        ["train", str(tmp_path / "pair"), "--out", str(tmp_path / "repo"), "--model", "threes-and-eights"],
+        SLUICEGATE_TRAINING__EPOCHS="2",
+        SLUICEGATE_HOME=str(tmp_path),
+    )
+    assert result.exit_code == 0, result.output
+    [version_dir] = list((tmp_path / "repo" / "threes-and-eights").iterdir())
+    config = verify_version(version_dir)
+    # One grey channel at the scans' written size: nothing enlarged, nothing converted to RGB.
+    assert config.inputs[0]["shape"] == [-1, 1, 20, 20] and config.preprocessing["colour"] == "L"
+    assert config.labels == ["3", "8"]
 
 
 def test_train_with_an_absurd_learning_rate_fails_the_train_gate(tmp_path: Path) -> None:

@@ -178,7 +178,9 @@ def test_a_corrupt_dataset_stops_at_the_data_gate(platform: Settings, tmp_path) 
     assert tracked.info.status == "FAILED" and tracked.data.tags["sluicegate.gate.data"] == "failed"
 
 
-def test_a_champion_with_other_preprocessing_fails_the_feature_gate(platform: Settings, tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_a_champion_with_other_preprocessing_fails_the_feature_gate(  # type: ignore[no-untyped-def]
+    platform: Settings, tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from sluicegate.errors import GateFailed
     from tasks import champion
     from tasks.sample_data import make_sample
@@ -195,6 +197,9 @@ def test_a_champion_with_other_preprocessing_fails_the_feature_gate(platform: Se
         platform.model.name, source=f"{run.info.artifact_uri}/model", run_id=run.info.run_id
     )
     client.set_registered_model_alias(platform.model.name, champion.CHAMPION, version.version)
+    # A candidate keeps its champion's input unless the settings (or the model's spec) pin a field:
+    # pinning RGB against a BGR champion is the change the feature gate exists to catch.
+    monkeypatch.setenv("SLUICEGATE_PREPROCESSING__COLOUR", "RGB")
     try:
         with pytest.raises(GateFailed, match=r"feature gate failed: cosine p5 observed"):
             pipeline(bucket=platform.storage.bucket, key=pushed.manifest_key, trigger="manual")

@@ -22,6 +22,7 @@ from sluicegate.metadata import Deployment, MetadataStore
 from sluicegate.metadata.model_versions import alias_history, record_model_version
 from sluicegate.settings import Settings
 from tasks import registry
+from tasks.dataset_gates import candidate_spec
 from tests.fixtures.models import register
 
 TOKEN = "flow-test-token"
@@ -78,8 +79,8 @@ class Traffic:
     def __init__(self, server: RunningServer, settings: Settings) -> None:
         self.stop, self.errors, self.sent = threading.Event(), [], 0
         self.client = triton.InferenceServerClient(f"127.0.0.1:{server.grpc_port}")
-        p = settings.preprocessing
-        x = np.zeros((1, 3, p.height, p.width), dtype=np.float32)
+        spec = candidate_spec(settings, champion=None, data=None)  # what tests.fixtures.models.register uses
+        x = np.zeros((1, spec.channels, spec.height, spec.width), dtype=np.float32)
         self.given = triton.InferInput("input", list(x.shape), "FP32")
         self.given.set_data_from_numpy(x)
         self.model = settings.model.name

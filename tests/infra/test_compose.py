@@ -257,7 +257,8 @@ def test_the_model_server_reads_the_same_registry_store_and_token(compose: dict[
     settings: Settings = platform_env(env)
     serving = ServingSettings(**parse_args(command(table["serving"])))
     assert serving.host == "0.0.0.0"  # inside the container; published on 127.0.0.1
-    assert serving.repository == f"models:/{settings.model.name}@champion"
+    # One server per model, as one Deployment per model on Kubernetes: compose serves the PCB sample's.
+    assert serving.repository == "models:/pcb-classifier@champion"
     assert serving.mlflow_tracking_uri == settings.mlflow.url
     assert serving.s3_endpoint_url == settings.storage.endpoint_url
     assert serving.admin_token and settings.rollout.admin_token

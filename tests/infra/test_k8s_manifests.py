@@ -1,7 +1,8 @@
-"""Kubernetes manifests of the canary rollout (infra/k8s), validated: every overlay builds with
-`kubectl kustomize`, and every built object and every manifest file validates against the Kubernetes
-OpenAPI schema in strict mode (an unknown field fails) or, for the CRDs, against the schemas in
-tests/infra/schemas. What the objects must say is in test_k8s_pods.py and test_k8s_routing.py."""
+"""Kubernetes manifests of the canary rollout (infra/k8s), validated: every stack (a shared overlay and
+two models' overlays) builds with `kubectl kustomize`, and every built object and every manifest file
+validates against the Kubernetes OpenAPI schema in strict mode (an unknown field fails) or, for the
+CRDs, against the schemas in tests/infra/schemas. What the objects must say is in test_k8s_pods.py,
+test_k8s_routing.py and test_k8s_models.py."""
 
 from __future__ import annotations
 
@@ -16,8 +17,9 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from tests.infra.k8s_manifests import K8S, MODEL, OVERLAYS, Obj, build, deployments, manifest_files, one, server
+from tests.infra.k8s_manifests import K8S, MODELS, STACKS, Obj, build, deployments, manifest_files, one, server
 
+MODEL = MODELS[0]
 SCHEMAS = Path(__file__).resolve().parent / "schemas"
 # The oldest Kubernetes the manifests target (tcp_fin_timeout is a safe sysctl from 1.29, the preStop
 # sleep action is on by default from 1.30) and the newest schema kubernetes-validate bundles.
@@ -60,9 +62,9 @@ def schema_errors(obj: Obj) -> list[str]:
     return errors
 
 
-@pytest.mark.parametrize("overlay", OVERLAYS)
-def test_every_built_object_is_valid(overlay: str) -> None:
-    errors = [error for obj in build(overlay) for error in schema_errors(obj)]
+@pytest.mark.parametrize("stack", STACKS)
+def test_every_built_object_is_valid(stack: str) -> None:
+    errors = [error for obj in build(stack) for error in schema_errors(obj)]
     assert not errors, "\n".join(errors)
 
 
@@ -75,13 +77,13 @@ def test_every_manifest_file_is_valid(path: Path) -> None:
 
 
 def _typo_in_probe(objects: list[Obj]) -> Obj:
-    deployment = deployments(objects)["stable"]
+    deployment = deployments(objects, MODEL)["stable"]
     server(deployment)["readinessProbe"]["initialDelay"] = 30  # initialDelaySeconds
     return deployment
 
 
 def _typo_in_spec(objects: list[Obj]) -> Obj:
-    deployment = deployments(objects)["canary"]
+    deployment = deployments(objects, MODEL)["canary"]
     deployment["spec"]["replica"] = deployment["spec"].pop("replicas")
     return deployment
 

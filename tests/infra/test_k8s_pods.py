@@ -1,7 +1,7 @@
-"""The serving pods of the Kubernetes manifests (infra/k8s), in every overlay: one namespace, two tracks
-(stable, canary) running the same pod with the canary at zero, ports and probes that fit the drain,
-server settings that are ServingSettings fields, a locked-down security context, the sysctls for many
-gRPC connections, and GPU or MIG resources."""
+"""The serving pods of the Kubernetes manifests (infra/k8s), for every model in every stack: one
+namespace, two tracks (stable, canary) running the same pod with the canary at zero, ports and probes
+that fit the drain, server settings that are ServingSettings fields, a locked-down security context, the
+sysctls for many gRPC connections, and the model's CPU, memory and GPU or MIG resources."""
 
 from __future__ import annotations
 
@@ -13,14 +13,16 @@ import pytest
 from serving.settings import ServingSettings
 from tests.infra.k8s_manifests import (
     K8S,
-    MODEL,
+    MODELS,
     NAMESPACE,
-    OVERLAYS,
+    STACKS,
     Obj,
     all_containers,
     build,
+    build_model,
     deployments,
-    kustomize_output,
+    model_arguments,
+    model_output,
     of_kind,
     one,
     server,
@@ -49,14 +51,15 @@ SAFE_SYSCTLS = {
 }
 SYSCTLS = {"net.ipv4.ip_local_port_range": "1024 65535", "net.ipv4.tcp_fin_timeout": "15", "net.ipv4.tcp_tw_reuse": "1"}
 CLUSTER_SCOPED = {"Namespace"}
+STACK_MODELS = [(stack, model) for stack in STACKS for model in MODELS]
 
 
-# --- properties of every overlay --------------------------------------------------------------------
+# --- properties of every model in every stack ------------------------------------------------------
 
 
-@pytest.mark.parametrize("overlay", OVERLAYS)
-def test_everything_lives_in_the_serving_namespace(overlay: str) -> None:
-    objects = build(overlay)
+@pytest.mark.parametrize("stack", STACKS)
+def test_everything_lives_in_the_serving_namespace(stack: str) -> None:
+    objects = build(stack)
     namespaces = of_kind(objects, "Namespace")
     assert [ns["metadata"]["name"] for ns in namespaces] == [NAMESPACE]
     misplaced = [
@@ -69,20 +72,21 @@ def test_everything_lives_in_the_serving_namespace(overlay: str) -> None:
         assert all(s.get("namespace") == NAMESPACE for s in binding["subjects"] if s["kind"] == "ServiceAccount")
 
 
-@pytest.mark.parametrize("overlay", OVERLAYS)
-def test_two_tracks_with_the_canary_scaled_to_zero(overlay: str) -> None:
-    tracks = deployments(build(overlay))
+@pytest.mark.parametrize(("stack", "model"), STACK_MODELS)
+def test_two_tracks_with_the_canary_scaled_to_zero(stack: str, model: str) -> None:
+    tracks = deployments(build_model(stack, model), model)
     for track, deployment in tracks.items():
         selector = deployment["spec"]["selector"]["matchLabels"]
-        assert selector == {"app.kubernetes.io/name": MODEL, "sluicegate.io/track": track}
+        assert selector == {"app.kubernetes.io/name": model, "sluicegate.io/track": track}
         for labels in (deployment["metadata"]["labels"], deployment["spec"]["template"]["metadata"]["labels"]):
-            assert labels["app.kubernetes.io/name"] == MODEL
+            assert labels["app.kubernetes.io/name"] == model
             assert labels["sluicegate.io/track"] == track
             assert re.fullmatch(r"[0-9]+", labels["sluicegate.io/model-version"])
         assert "sluicegate.io/model-version" not in selector, "the version changes; a selector cannot"
         version = deployment["metadata"]["labels"]["sluicegate.io/model-version"]
         env = {e["name"]: e for e in server(deployment)["env"]}
-        assert env["SLUICEGATE_SERVING__REPOSITORY"]["value"] == f"models:/{MODEL}/{version}"
+        assert env["SLUICEGATE_SERVING__REPOSITORY"]["value"] == f"models:/{model}/{version}"
+        assert version == model_arguments(stack, model).get("version", "1")
     assert tracks["canary"]["spec"]["replicas"] == 0
     assert "replicas" not in tracks["stable"]["spec"], "the HorizontalPodAutoscaler owns stable's replicas"
 
@@ -95,20 +99,20 @@ def _without_track(deployment: Obj) -> Obj:
     return template  # type: ignore[no-any-return]
 
 
-@pytest.mark.parametrize("overlay", OVERLAYS)
-def test_stable_and_canary_run_the_same_pod(overlay: str) -> None:
-    tracks = deployments(build(overlay))
+@pytest.mark.parametrize(("stack", "model"), STACK_MODELS)
+def test_stable_and_canary_run_the_same_pod(stack: str, model: str) -> None:
+    tracks = deployments(build_model(stack, model), model)
     assert _without_track(tracks["stable"]) == _without_track(tracks["canary"]), (
         "deployment-stable.yaml and deployment-canary.yaml drifted apart"
     )
     assert tracks["stable"]["spec"]["strategy"] == tracks["canary"]["spec"]["strategy"]
 
 
-@pytest.mark.parametrize("overlay", OVERLAYS)
-def test_ports_and_probes(overlay: str) -> None:
+@pytest.mark.parametrize(("stack", "model"), STACK_MODELS)
+def test_ports_and_probes(stack: str, model: str) -> None:
     settings = ServingSettings()
-    objects = build(overlay)
-    for deployment in deployments(objects).values():
+    objects = build_model(stack, model)
+    for deployment in deployments(objects, model).values():
         container = server(deployment)
         ports = {p["name"]: p["containerPort"] for p in container["ports"]}
         assert ports == {"grpc": settings.grpc_port, "http": settings.http_port} == {"grpc": 8001, "http": 8000}
@@ -127,20 +131,20 @@ def test_ports_and_probes(overlay: str) -> None:
         assert pre_stop + drain < grace, "the drain must finish before the kubelet kills the pod"
 
 
-@pytest.mark.parametrize("overlay", OVERLAYS)
-def test_the_image_cmd_cannot_override_the_repository(overlay: str) -> None:
+@pytest.mark.parametrize("stack", STACKS)
+def test_the_image_cmd_cannot_override_the_repository(stack: str) -> None:
     """The image's CMD is `--repo /models`, a flag that would beat the env the controller patches."""
-    for name, container in all_containers(build(overlay)):
+    for name, container in all_containers(build(stack)):
         assert container["command"] == ["python3", "-m", "serving"], name
         assert "--repo" not in container.get("args", []), name
 
 
-@pytest.mark.parametrize("overlay", OVERLAYS)
-def test_server_settings_are_fields_the_server_reads(overlay: str) -> None:
+@pytest.mark.parametrize(("stack", "model"), STACK_MODELS)
+def test_server_settings_are_fields_the_server_reads(stack: str, model: str) -> None:
     """Each SLUICEGATE_SERVING__* variable names a ServingSettings field and parses as one (the server
     forbids unknown fields only in its constructor; a typoed variable would be silently ignored)."""
-    objects = build(overlay)
-    for deployment in deployments(objects).values():
+    objects = build_model(stack, model)
+    for deployment in deployments(objects, model).values():
         container = server(deployment)
         names = {e["name"] for e in container["env"]} | set(serving_env(objects, deployment))
         fields = {name.removeprefix(SETTINGS_PREFIX).lower() for name in names if name.startswith(SETTINGS_PREFIX)}
@@ -154,17 +158,17 @@ def test_server_settings_are_fields_the_server_reads(overlay: str) -> None:
         settings = ServingSettings.model_validate(values)
         assert settings.host == "0.0.0.0"
         assert str(settings.cache_dir) == CACHE_DIR
-        assert settings.repository.startswith(f"models:/{MODEL}")
+        assert settings.repository.startswith(f"models:/{model}/")
         token = next(e for e in container["env"] if e["name"] == "SLUICEGATE_SERVING__ADMIN_TOKEN")
         assert "secretKeyRef" in token["valueFrom"], "the admin token comes from a Secret"
 
 
-@pytest.mark.parametrize("overlay", OVERLAYS)
-def test_pods_run_locked_down(overlay: str) -> None:
-    for deployment in deployments(build(overlay)).values():
+@pytest.mark.parametrize(("stack", "model"), STACK_MODELS)
+def test_pods_run_locked_down(stack: str, model: str) -> None:
+    for deployment in deployments(build_model(stack, model), model).values():
         pod = deployment["spec"]["template"]["spec"]
         assert pod["automountServiceAccountToken"] is False
-        assert pod["serviceAccountName"] == MODEL
+        assert pod["serviceAccountName"] == model
         pod_security = pod["securityContext"]
         assert pod_security["runAsNonRoot"] is True
         assert pod_security["runAsUser"] == 10001
@@ -186,14 +190,14 @@ def test_pods_run_locked_down(overlay: str) -> None:
         resources = container["resources"]
         for key in ("cpu", "memory"):
             assert key in resources["requests"] and key in resources["limits"], key
-    service_account = one(build(overlay), "ServiceAccount", MODEL)
+    service_account = one(build_model(stack, model), "ServiceAccount", model)
     assert service_account["automountServiceAccountToken"] is False
 
 
-@pytest.mark.parametrize("overlay", OVERLAYS)
-def test_sysctls_for_many_grpc_connections(overlay: str) -> None:
+@pytest.mark.parametrize(("stack", "model"), STACK_MODELS)
+def test_sysctls_for_many_grpc_connections(stack: str, model: str) -> None:
     readme = README.read_text()
-    for deployment in deployments(build(overlay)).values():
+    for deployment in deployments(build_model(stack, model), model).values():
         sysctls = {s["name"]: s["value"] for s in deployment["spec"]["template"]["spec"]["securityContext"]["sysctls"]}
         assert sysctls == SYSCTLS
         for name in set(sysctls) - SAFE_SYSCTLS:
@@ -202,24 +206,29 @@ def test_sysctls_for_many_grpc_connections(overlay: str) -> None:
             )
 
 
-@pytest.mark.parametrize("overlay", OVERLAYS)
-def test_gpu_resources(overlay: str) -> None:
-    for name, container in all_containers(build(overlay)):
-        resources = container["resources"]
+@pytest.mark.parametrize(("stack", "model"), STACK_MODELS)
+def test_the_models_resources(stack: str, model: str) -> None:
+    """CPU and memory as the model asks (requests = limits), its GPUs, MIG slices or none, and GPU
+    nodes' taint tolerated only by pods that need a GPU."""
+    arguments = model_arguments(stack, model)
+    gpu = arguments.get("gpu", 0)
+    expected_gpus = {MIG_RESOURCE if arguments.get("mig") else "nvidia.com/gpu": str(gpu)} if gpu else {}
+    for deployment in deployments(build_model(stack, model), model).values():
+        resources = server(deployment)["resources"]
         for part in ("requests", "limits"):
             gpus = {k: v for k, v in resources[part].items() if k.startswith("nvidia.com/")}
-            if overlay == "mig":
-                assert gpus == {MIG_RESOURCE: 1}, f"{name} {part}: {gpus}"
-            else:
-                assert gpus == {"nvidia.com/gpu": 1}, f"{name} {part}: {gpus}"
+            assert gpus == expected_gpus, f"{deployment['metadata']['name']} {part}: {gpus}"
+            assert (resources[part]["cpu"], resources[part]["memory"]) == (arguments["cpu"], arguments["memory"])
+        tolerations = deployment["spec"]["template"]["spec"].get("tolerations", [])
+        assert bool(tolerations) == bool(gpu), "GPU pods tolerate the GPU taint, CPU pods do not"
 
 
-def test_mig_overlay_pins_mig_nodes_and_asks_no_full_gpu() -> None:
-    objects = build("mig")
-    built = kustomize_output("mig")
+@pytest.mark.parametrize("model", MODELS)
+def test_mig_pins_mig_nodes_and_asks_no_full_gpu(model: str) -> None:
+    built = model_output("mig", model)
     assert not re.search(r"^\s*nvidia\.com/gpu:\s", built, re.MULTILINE), "a full-GPU request is left"
-    for deployment in deployments(objects).values():
+    for deployment in deployments(build_model("mig", model), model).values():
         assert deployment["spec"]["template"]["spec"]["nodeSelector"] == {"nvidia.com/mig.config": "all-1g.10gb"}
-    for overlay in ("plain", "istio"):
-        for deployment in deployments(build(overlay)).values():
+    for stack in ("plain", "istio"):
+        for deployment in deployments(build_model(stack, model), model).values():
             assert "nodeSelector" not in deployment["spec"]["template"]["spec"]

@@ -43,7 +43,12 @@ def stack_settings(home: Path, **overrides: Any) -> Settings:
         "training": {"epochs": 2, "width": 8},
         # Wiring, not model quality: two-epoch runs on random images have no stable final loss.
         "train_gate": {"final_loss_tolerance": 100.0, "memory_tolerance": 100.0},
-        "eval_gate": {"first_model_min_accuracy": 0.0, "latency_iterations": 30, "warmup_iterations": 5},
+        "eval_gate": {
+            "first_model_min_accuracy": 0.0,
+            "baseline_margin": -1.0,  # random images: no baselines to beat
+            "latency_iterations": 30,
+            "warmup_iterations": 5,
+        },
     }
     return Settings(home=home, **{**groups, **overrides})
 
@@ -312,7 +317,8 @@ def test_a_pipeline_killed_mid_run_is_rerun_without_duplicates(running_stack: Se
         gates = [g.gate for g in gate_results_for_run(session, row.id)]
         assert len(gates) == len(set(gates)) and "eval" in gates
     store.dispose()
-    tagged = [v for v in registry.list_versions(running_stack.mlflow.url, running_stack.model.name)]
+    # Dataset "pcb" trains model "pcb" (no spec: the model is named after its dataset).
+    tagged = [v for v in registry.list_versions(running_stack.mlflow.url, "pcb")]
     assert [v.model_version for v in tagged].count(model_version) == 1  # one registry version, not two
     tracker = tracking.client(running_stack.mlflow.url)
     experiment = tracking.experiment_id(tracker, running_stack.mlflow.experiment)

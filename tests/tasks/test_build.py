@@ -13,6 +13,7 @@ from sluicegate import ids
 from sluicegate.errors import ConfigError, DatasetError
 from sluicegate.settings import Settings
 from tasks import build
+from tasks.dataset_gates import DataShape, candidate_spec
 from tasks.dataset_source import LocalSource, open_location
 from tasks.sample_data import make_sample
 
@@ -37,7 +38,8 @@ def packaged(settings: Settings, tmp_path_factory: pytest.TempPathFactory) -> tu
     source = open_location(str(folder), lambda: pytest.fail("a folder needs no S3 client"))
     assert isinstance(source, LocalSource)
     manifest = source.manifest()
-    data = build.load_training_data(settings, source, manifest)
+    spec = candidate_spec(settings, champion=None, data=DataShape(64, 64, grey=False))
+    data = build.load_training_data(settings, source, manifest, spec)
     trained = build.train_candidate(settings, data, tmp_path_factory.mktemp("work"))
     assert build.gate_training(settings, trained, []).metrics["model_name"] == "pcb"
     converted = build.convert(settings, trained)

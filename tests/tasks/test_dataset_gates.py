@@ -9,7 +9,7 @@ import pytest
 
 from serving.preprocessing import PreprocessSpec
 from sluicegate.settings import Settings
-from tasks.dataset_gates import candidate_spec, check_data, check_features, sampled_paths
+from tasks.dataset_gates import DataShape, candidate_spec, check_data, check_features, fit_size, sampled_paths
 from tasks.dataset_source import LocalSource
 from tasks.datasets import manifest_paths
 from tasks.sample_data import Corruption, make_sample
@@ -44,15 +44,26 @@ def test_a_good_folder_passes_both_gates_and_counts_every_image(folder: Path) ->
     assert len(seen) == len(manifest_paths(manifest)) and outcome.validation
     assert set(outcome.baseline) == {"r", "g", "b"}  # per channel, one mean per image: the drift baseline
     assert all(len(means) == len(seen) for means in outcome.baseline.values())
-    same = check_features(settings, source, manifest, reference=candidate_spec(settings))
+    assert outcome.shape == DataShape(64, 64, grey=False)
+    candidate = candidate_spec(settings, champion=None, data=outcome.shape)
+    assert (candidate.height, candidate.width, candidate.colour) == (32, 32, "RGB")  # shrunk to max_size
+    same = check_features(settings, source, manifest, reference=candidate, candidate=candidate)
     assert same.passed and same.metrics["count"] == min(settings.feature_gate.sample_size, len(seen))
 
 
 def test_a_changed_preprocessing_fails_the_feature_gate(folder: Path) -> None:
     settings = Settings()
     source = LocalSource(folder)
-    other = PreprocessSpec.from_dict({**candidate_spec(settings).to_dict(), "colour": "BGR"})
-    verdict = check_features(settings, source, source.manifest(), reference=other)
+    candidate = candidate_spec(settings, champion=None, data=DataShape(64, 64, grey=False))
+    other = PreprocessSpec.from_dict({**candidate.to_dict(), "colour": "BGR"})
+    # Without a candidate given, the command line's way: chosen from the sample's shape (RGB, 32x32).
+    verdict = check_features(settings, source, source.manifest(), reference=other, follow_reference=False)
+    assert not verdict.passed and "cosine" in verdict.reason()
+    # Against a champion, the candidate keeps the champion's colour unless the settings pin another one.
+    kept = check_features(settings, source, source.manifest(), reference=other)
+    assert kept.passed, kept.reason()
+    pinned = Settings(preprocessing={"colour": "RGB"})
+    verdict = check_features(pinned, source, source.manifest(), reference=other)
     assert not verdict.passed and "cosine" in verdict.reason()
 
 
@@ -61,3 +72,23 @@ def test_a_corrupt_folder_fails_the_data_gate(tmp_path: Path) -> None:
     source = LocalSource(tmp_path / "bad")
     outcome = check_data(Settings(), source, source.manifest(), champion=None)
     assert not outcome.verdict.passed and "missing" in outcome.verdict.reason()
+
+
+def test_a_first_model_fits_its_data_and_later_ones_keep_the_champions_input() -> None:
+    settings = Settings()
+    grey = candidate_spec(settings, champion=None, data=DataShape(25, 25, grey=True))
+    assert (grey.height, grey.width, grey.colour, grey.channels) == (25, 25, "L", 1)  # native, never enlarged
+    assert len(grey.mean) == len(grey.std) == 1
+    wide = candidate_spec(settings, champion=None, data=DataShape(640, 480, grey=False))
+    assert (wide.height, wide.width, wide.colour) == (24, 32, "RGB")  # the longer side to max_size, aspect kept
+    assert fit_size(8, 200, 32) == (32, 1)
+    # The champion's input carries on, whatever this version's images look like ...
+    kept = candidate_spec(settings, champion=grey, data=DataShape(64, 64, grey=False))
+    assert kept == grey
+    # ... unless the settings (or the model's spec) pin a field.
+    pinned = Settings(preprocessing={"height": 40, "width": 40, "max_size": 64})
+    bigger = candidate_spec(pinned, champion=grey, data=None)
+    assert (bigger.height, bigger.width, bigger.colour) == (40, 40, "L")
+    recoloured = candidate_spec(Settings(preprocessing={"colour": "RGB"}), champion=grey, data=None)
+    assert recoloured.channels == 3 and len(recoloured.mean) == 3  # the champion's grey statistics do not fit
+    assert candidate_spec(Settings(), champion=None, data=None).height == 32

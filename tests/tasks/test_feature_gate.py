@@ -84,7 +84,7 @@ def test_a_different_normalisation_fails(images: list[np.ndarray]) -> None:
 def test_a_uniform_rescale_is_invisible_to_cosine(images: list[np.ndarray]) -> None:
     # Doubling std on every channel halves every feature: same direction, cosine 1. This documents the
     # gate's blind spot (DESIGN defines it by cosine); the eval gate sees what such a change does to accuracy.
-    doubled = PreprocessSpec(std=tuple(2 * s for s in BASE.std))  # type: ignore[arg-type]
+    doubled = PreprocessSpec(std=tuple(2 * s for s in BASE.std))
     verdict = feature_gate(images, BASE, doubled)
     assert verdict.passed
     assert verdict.checks[0].observed == pytest.approx(1.0, abs=1e-12)
@@ -124,6 +124,44 @@ def test_a_candidate_implementation_of_another_shape_fails_on_shape(images: list
     verdict = feature_gate(images, BASE, BASE, candidate_fn=lambda chunk: preprocess(chunk, PreprocessSpec(width=32)))
     assert [c.name for c in verdict.checks] == ["output shape"]
     assert "(3, 64, 32)" in verdict.checks[0].detail
+
+
+GREY = PreprocessSpec(colour="L", mean=(0.45,), std=(0.225,))
+
+
+@pytest.mark.parametrize(
+    ("champion", "candidate", "counts"),
+    [
+        (BASE, GREY, "has 1 channel(s) (colour 'L'), the champion's 3 (colour 'RGB')"),
+        (GREY, PreprocessSpec(colour="BGR"), "has 3 channel(s) (colour 'BGR'), the champion's 1 (colour 'L')"),
+    ],
+    ids=["grey-candidate", "grey-champion"],
+)
+def test_specs_of_different_channel_counts_are_not_comparable(
+    images: list[np.ndarray], champion: PreprocessSpec, candidate: PreprocessSpec, counts: str
+) -> None:
+    verdict = feature_gate(images, champion, candidate)
+    assert not verdict.passed
+    (check,) = verdict.checks
+    assert check.name == "channels"
+    assert f"the candidate's preprocessing {counts}: their features are not comparable" in check.detail
+    assert "a new model; push it under a new dataset name, or set its model spec's preprocessing.colour" in (
+        check.detail
+    )
+    assert f"preprocessing.colour to {champion.colour!r}" in check.detail
+    assert verdict.reason().startswith("feature gate failed: channels observed candidate ")
+    assert "cosine_min" not in verdict.metrics  # nothing was computed
+    assert verdict.metrics["candidate_spec"] == candidate.to_dict()
+    # Even a candidate implementation under test cannot make the two comparable.
+    assert feature_gate(images, champion, candidate, candidate_fn=lambda c: preprocess(c, champion)).checks == (check,)
+
+
+def test_grey_specs_are_compared_like_any_other(images: list[np.ndarray]) -> None:
+    assert feature_gate(images, GREY, PreprocessSpec(colour="L", mean=(0.45,), std=(0.225,))).passed
+    shifted = feature_gate(images, GREY, PreprocessSpec(colour="L", mean=(0.6,), std=(0.225,)))
+    assert not shifted.passed and shifted.checks[0].name == "cosine p5"
+    resized = feature_gate(images, GREY, PreprocessSpec(height=32, colour="L", mean=(0.45,), std=(0.225,)))
+    assert resized.checks[0].name == "output shape" and "(1, 64, 64)" in resized.checks[0].detail
 
 
 def test_the_first_model_passes_and_is_recorded(images: list[np.ndarray]) -> None:

@@ -93,12 +93,20 @@ def test_training_reaches_90_percent_validation_accuracy(splits: tuple[Split, Sp
     assert result.best_val_loss == min(record.val_loss for record in result.history)
     assert tuple(seen) == result.history
     assert result.train_loss_curve == tuple(record.train_loss for record in result.history)
+    # 560 images at batch 32: 18 steps an epoch (the last of 16), each step's loss kept for the train gate.
+    assert len(result.step_losses) == 18 * len(result.history)
+    first_epoch = result.step_losses[:18]
+    assert result.history[0].train_loss == pytest.approx(sum(first_epoch) / 18, rel=1e-6)
+    assert result.resolved.arch == "resnet-small" and result.resolved.channels == 3
+    assert (result.resolved.epochs, result.resolved.patience, result.resolved.width) == (20, 5, 16)
     assert result.labels == labels and result.device == "cpu" and not result.amp
     assert result.parameters == sum(p.numel() for p in model.parameters())
     assert result.peak_memory_bytes > 0
     assert all(record.images_per_second > 0 for record in result.history)
     # A healthy run passes the train gate as a first run.
-    verdict = train_gate(result.train_loss_curve, result.peak_memory_bytes, [], TrainGateSettings())
+    verdict = train_gate(
+        result.train_loss_curve, result.peak_memory_bytes, [], TrainGateSettings(), step_losses=result.step_losses
+    )
     assert verdict.passed, verdict.reason()
 
 
@@ -110,6 +118,7 @@ def test_same_seed_gives_identical_weights(splits: tuple[Split, Split, tuple[str
     for (name, a), (_, b) in zip(first.state_dict().items(), second.state_dict().items(), strict=True):
         assert torch.equal(a, b), name
     assert result_a.train_loss_curve == result_b.train_loss_curve
+    assert result_a.step_losses == result_b.step_losses
     # The caller's global state is left as it was.
     assert torch.equal(torch.get_rng_state(), before)
     assert not torch.are_deterministic_algorithms_enabled()
@@ -154,14 +163,16 @@ def test_absurd_learning_rate_fails_the_train_gate(splits: tuple[Split, Split, t
     (x_train, y_train), val_split, labels = splits
     settings = TINY.model_copy(update={"learning_rate": 1e3, "epochs": 4, "patience": 10})
     _, result = train((x_train[:128], y_train[:128]), val_split, labels, settings)
-    verdict = train_gate(result.train_loss_curve, result.peak_memory_bytes, [], TrainGateSettings())
+    verdict = train_gate(
+        result.train_loss_curve, result.peak_memory_bytes, [], TrainGateSettings(), step_losses=result.step_losses
+    )
     assert not verdict.passed, result.train_loss_curve
-    assert {c.name for c in verdict.failed} & {"finite loss", "loss smoothness"}
+    assert {c.name for c in verdict.failed} & {"finite loss", "loss smoothness", "loss rise"}
 
 
 def test_checkpoint_round_trip_is_safetensors(tmp_path: Path) -> None:
     torch.manual_seed(0)
-    model = build_model("resnet-small", 4, width=8, blocks=(1, 1)).eval()
+    model = build_model("resnet-small", 4, in_channels=3, width=8, blocks=(1, 1)).eval()
     path = tmp_path / "model" / "model.safetensors"
     metadata = {"labels": '["bridge","excess","good","insufficient"]', "model_version": "v1.0.0-abc1234-def5678"}
 
@@ -180,20 +191,20 @@ def test_checkpoint_round_trip_is_safetensors(tmp_path: Path) -> None:
     assert not list(tmp_path.glob("model/*.partial"))
 
     torch.manual_seed(1)
-    fresh = build_model("resnet-small", 4, width=8, blocks=(1, 1)).eval()
+    fresh = build_model("resnet-small", 4, in_channels=3, width=8, blocks=(1, 1)).eval()
     assert load_checkpoint(fresh, path) == metadata
     for (name, a), (_, b) in zip(model.state_dict().items(), fresh.state_dict().items(), strict=True):
         assert torch.equal(a, b), name
-    other = build_model("resnet-small", 4, width=16, blocks=(1, 1))
+    other = build_model("resnet-small", 4, in_channels=3, width=16, blocks=(1, 1))
     with pytest.raises(RuntimeError, match="size mismatch"):
         load_checkpoint(other, path)
     with pytest.raises(TypeError, match="str to str"):
         save_checkpoint(model, tmp_path / "bad.safetensors", {"epochs": 3})  # type: ignore[dict-item]
 
 
-def test_build_model_shapes_and_unknown_arch() -> None:
-    model = build_model("resnet-small", 4, width=8, blocks=(1, 2, 1)).eval()
-    for size in (32, 64):
-        assert model(torch.zeros(2, 3, size, size)).shape == (2, 4)
-    with pytest.raises(ValueError, match=r"unknown model architecture 'vgg'.*resnet-small"):
-        build_model("vgg", 4, width=8, blocks=(1,))
+def test_train_refuses_inputs_it_cannot_take(splits: tuple[Split, Split, tuple[str, ...]]) -> None:
+    (x_train, y_train), (x_val, y_val), labels = tiny(splits)
+    with pytest.raises(ValueError, match=r"C 1 or 3"):
+        train((x_train[:, :2], y_train), (x_val[:, :2], y_val), labels, TINY)
+    with pytest.raises(ValueError, match=r"val X must have train's \(C, H, W\)"):
+        train((x_train, y_train), (x_val[:, :, :16, :16], y_val), labels, TINY)

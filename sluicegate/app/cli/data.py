@@ -11,7 +11,7 @@ import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
-from sluicegate.app.cli.common import cli_errors, console, load_settings
+from sluicegate.app.cli.common import ModelOption, cli_errors, console, load_settings, settings_for_location
 from sluicegate.settings import Settings
 
 if TYPE_CHECKING:
@@ -50,6 +50,32 @@ def make_sample(
     console.print(
         f"wrote {summary.count} images to {directory} — labels {summary.labels}, splits {summary.splits}"
         + (f", corruption {corruption.value}" if corruption else "")
+    )
+
+
+@dataset_app.command("make-digits")
+def make_digits(
+    directory: Annotated[Path, typer.Argument(help="Empty or new folder to write the dataset into.")],
+    size: Annotated[int, typer.Option(help="Side of the written images in pixels (the scans are 8x8).")] = 64,
+    classes: Annotated[
+        str | None, typer.Option(help="Only these digits, comma-separated (e.g. 3,8); default: all ten.")
+    ] = None,
+    seed: Annotated[int, typer.Option(help="Seed of the stratified 70/15/15 split.")] = 0,
+) -> None:
+    """Write scikit-learn's bundled handwritten digits (real scans, grey) as a dataset version."""
+    from tasks.real_datasets import write_digits
+
+    try:
+        chosen = [int(part) for part in classes.split(",")] if classes else None
+    except ValueError as exc:
+        raise typer.BadParameter(
+            f"{classes!r}: list digits separated by commas, e.g. 3,8", param_hint="--classes"
+        ) from exc
+    with cli_errors(), console.status("writing images..."):
+        written = write_digits(directory, size=size, classes=chosen, seed=seed)
+    console.print(
+        f"wrote {sum(written.labels.values())} grey {size}x{size} images to {directory} — labels {written.labels}, "
+        f"splits {written.splits}; push it with `sluicegate dataset push {directory} --name {written.name}`"
     )
 
 
@@ -144,12 +170,13 @@ def check_data(
     location: Annotated[str, typer.Argument(help="Dataset folder or s3://bucket/datasets/<name>/<version>/.")],
     champion: Annotated[bool, typer.Option(help="Compare labels with the MLflow champion's training data.")] = False,
     report: Annotated[Path | None, typer.Option(help="Also write the verdict and GX's result as JSON here.")] = None,
+    model: ModelOption = None,
 ) -> None:
     """The data gate (Great Expectations) on a dataset that follows the contract; exit 1 on failure."""
     from tasks.dataset_gates import check_data as data_gate
     from tasks.datasets import manifest_paths
 
-    settings = load_settings()
+    settings = settings_for_location(load_settings(), location, model)
     with cli_errors():
         source = open_source(settings, location)
         manifest = source.manifest()
@@ -170,13 +197,14 @@ def check_features(
     location: Annotated[str, typer.Argument(help="Dataset folder or s3://bucket/datasets/<name>/<version>/.")],
     against: Annotated[Path | None, typer.Option(help="Reference preprocessing spec (JSON) to compare with.")] = None,
     champion: Annotated[bool, typer.Option(help="Compare with the MLflow champion's preprocessing.")] = False,
+    model: ModelOption = None,
 ) -> None:
     """The feature gate: the configured preprocessing vs a reference one on sampled images; exit 1 on failure."""
     from serving.preprocessing import PreprocessSpec
     from tasks.dataset_gates import champion_spec
     from tasks.dataset_gates import check_features as feature_gate
 
-    settings = load_settings()
+    settings = settings_for_location(load_settings(), location, model)
     with cli_errors(ValueError, OSError):
         reference: PreprocessSpec | None
         if against is not None:
@@ -185,7 +213,11 @@ def check_features(
             reference = champion_spec(settings, _champion(settings, champion))
         source = open_source(settings, location)
         with console.status("reading the sampled images..."):
-            verdict = feature_gate(settings, source, source.manifest(), reference=reference)
+            # Against a champion the candidate keeps its input unless the settings pin a field, as in
+            # the pipeline; against a spec file it is what a first model of this data would get.
+            verdict = feature_gate(
+                settings, source, source.manifest(), reference=reference, follow_reference=against is None
+            )
     print_verdict(verdict)
     if not verdict.passed:
         raise typer.Exit(1)

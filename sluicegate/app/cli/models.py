@@ -8,12 +8,15 @@ import getpass
 import json
 import os
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.table import Table
 
-from sluicegate.app.cli.common import cli_errors, console, load_settings
+from sluicegate import model_specs
+from sluicegate.app.cli.common import ModelOption, cli_errors, console, load_settings, resolve_model
+from sluicegate.errors import SluicegateError
 
 if TYPE_CHECKING:
     from sluicegate.settings import Settings
@@ -39,11 +42,121 @@ def _when(ms: int) -> str:
 
 
 @models_app.command("ls")
-def ls_command(as_json: JsonOption = False) -> None:
-    """Registered versions of the model (settings model.name), newest first, with aliases and gate outcome."""
+def ls_command(model: ModelOption = None, as_json: JsonOption = False) -> None:
+    """Every model with its champion and challenger; with --model, that model's versions, newest first."""
     from tasks import registry
 
     settings = load_settings()
+    if model is not None:
+        _versions(resolve_model(settings, model), as_json)
+        return
+    with cli_errors():
+        found = registry.models(settings.mlflow.url)
+        specs = model_specs.load_specs(model_specs.specs_folder(settings))
+        champions = {m.name: registry.alias_holder(settings.mlflow.url, m.name, registry.CHAMPION) for m in found}
+    rows: list[dict[str, Any]] = [
+        {
+            "model": m.name,
+            "champion": getattr(champions[m.name], "model_version", None),
+            "champion_registry_version": m.aliases.get(registry.CHAMPION),
+            "challenger_registry_version": m.aliases.get(registry.CHALLENGER),
+            "latest_registry_version": m.latest,
+            "spec": m.name in specs,
+            "datasets": list(specs[m.name].dataset_names()) if m.name in specs else None,
+            "updated": _when(m.updated_ms or 0),
+        }
+        for m in found
+    ]
+    if as_json:
+        typer.echo(json.dumps(rows, indent=2))
+        return
+    if not rows:
+        console.print(f"no models registered at {settings.mlflow.url} yet: push a dataset version")
+        return
+    table = Table(title=f"models @ {settings.mlflow.url}")
+    for column in ("model", "champion", "challenger", "latest", "spec", "updated"):
+        table.add_column(column)
+    for row in rows:
+        table.add_row(
+            row["model"],
+            f"{row['champion']} (v{row['champion_registry_version']})" if row["champion"] else "-",
+            f"v{row['challenger_registry_version']}" if row["challenger_registry_version"] else "-",
+            f"v{row['latest_registry_version']}" if row["latest_registry_version"] else "-",
+            ", ".join(row["datasets"]) if row["datasets"] else "-",
+            row["updated"],
+        )
+    console.print(table)
+
+
+@models_app.command("check")
+def check_command() -> None:
+    """Validate every model spec (the model.specs folder); exit 1 naming the file, field and fix."""
+    settings = load_settings()
+    folder = model_specs.specs_folder(settings)
+    from tasks.rollout.config import plan_from_settings
+
+    with cli_errors():
+        specs = model_specs.check_all(settings)
+        for name in specs:
+            try:
+                # The canary plan's own rules (increasing steps ending at 100, ...) live with the plan.
+                plan_from_settings(model_specs.settings_for_model(settings, name, specs[name]))
+            except SluicegateError as exc:
+                raise model_specs.SpecError(f"model spec of {name} in {folder}: canary: {exc}") from None
+    if not specs:
+        console.print(f"no model specs in {folder}: every dataset trains a model of its own name")
+        return
+    table = Table(title=f"model specs in {folder}")
+    for column in ("model", "datasets", "overrides", "canary", "serving"):
+        table.add_column(column, overflow="fold")
+    for name, spec in specs.items():
+        overrides = [f"{group}.{key}" for group in model_specs.GROUPS for key in getattr(spec, group)]
+        serving = spec.serving
+        table.add_row(
+            name,
+            ", ".join(spec.dataset_names()),
+            ", ".join(overrides) or "-",
+            ", ".join(f"{k}={v}" for k, v in spec.canary.items()) or "-",
+            f"{serving.replicas} x {serving.cpu} cpu, {serving.memory}, {serving.gpu} gpu",
+        )
+    console.print(table)
+    console.print(f"[green]{len(specs)} model spec(s) valid[/green]")
+
+
+@models_app.command("manifests")
+def manifests_command(
+    out: Annotated[Path, typer.Option(help="Folder to write <model>/ overlays into (e.g. infra/k8s/models).")],
+    model: Annotated[
+        list[str] | None, typer.Option("--model", "-m", help="Only these models (default: every spec).")
+    ] = None,
+    image: Annotated[str | None, typer.Option(help="Serving image (name:tag or name@sha256:...).")] = None,
+) -> None:
+    """Write each model's Kubernetes overlay (infra/k8s/README.md) from its spec's serving resources."""
+    from tasks.rollout.manifests import DEFAULT_IMAGE, model_overlay
+
+    settings = load_settings()
+    with cli_errors(ValueError):
+        specs = model_specs.check_all(settings)
+        names = model or sorted(specs)
+        if not names:
+            raise model_specs.SpecError(
+                f"no model specs in {model_specs.specs_folder(settings)}: name the models with --model"
+            )
+        for name in names:
+            serving = specs[name].serving if name in specs else model_specs.ServingResources()
+            files = model_overlay(
+                name, **serving.model_dump(), image=image or DEFAULT_IMAGE, istio=settings.rollout.istio
+            )
+            folder = out / name
+            folder.mkdir(parents=True, exist_ok=True)
+            for file_name, text in files.items():
+                (folder / file_name).write_text(text, encoding="utf-8")
+            console.print(f"{folder}: {', '.join(sorted(files))} (kubectl apply -k {folder})")
+
+
+def _versions(settings: Settings, as_json: bool) -> None:
+    from tasks import registry
+
     with cli_errors():
         versions = registry.list_versions(settings.mlflow.url, settings.model.name)
     if as_json:
@@ -83,12 +196,13 @@ def _version_dict(v: Any) -> dict[str, Any]:
 @models_app.command("show")
 def show_command(
     version: Annotated[str, typer.Argument(help="Registry version, model version (or prefix), or alias.")],
+    model: ModelOption = None,
     as_json: JsonOption = False,
 ) -> None:
     """One version: evaluation metrics, lineage (data, code, runs, environment) and its alias history."""
     from tasks import registry, tracking
 
-    settings = load_settings()
+    settings = resolve_model(load_settings(), model)
     with cli_errors():
         found = registry.resolve(settings.mlflow.url, settings.model.name, version)
         run = tracking.client(settings.mlflow.url).get_run(found.run_id) if found.run_id else None
@@ -167,11 +281,12 @@ def promote_command(
     alias: Annotated[str, typer.Option(help="The alias to move.")] = "champion",
     by: ByOption = None,
     force: Annotated[bool, typer.Option(help="Promote even a version that failed the eval gate.")] = False,
+    model: ModelOption = None,
 ) -> None:
     """Point an alias (default: champion) at a version; the move is recorded with who and why."""
     from tasks import registry
 
-    settings = load_settings()
+    settings = resolve_model(load_settings(), model)
     with cli_errors():
         target = registry.resolve(settings.mlflow.url, settings.model.name, version)
         outcome = target.tags.get(registry.TAG_EVAL_GATE)
@@ -187,12 +302,13 @@ def rollback_command(
     reason: ReasonOption,
     alias: Annotated[str, typer.Option(help="The alias to move back.")] = "champion",
     by: ByOption = None,
+    model: ModelOption = None,
 ) -> None:
     """Move an alias (default: champion) back to the version that held it before (from the recorded moves)."""
     from sluicegate.metadata import MetadataStore
     from tasks import registry
 
-    settings = load_settings()
+    settings = resolve_model(load_settings(), model)
     with cli_errors():
         with MetadataStore.checked(settings.metadata_url) as store:
             target = registry.rollback_target(settings.mlflow.url, store, settings.model.name, alias)

@@ -13,18 +13,16 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 from rich.table import Table
 
-from sluicegate.app.cli.common import cli_errors, console, load_settings
+from sluicegate.app.cli.common import ModelOption, cli_errors, console, load_settings, resolve_model
 
 if TYPE_CHECKING:
     from sluicegate.settings import Settings
 
 rollout_app = typer.Typer(no_args_is_help=True, help="Canary rollout: run, status, abort, promote, resume.")
 
-ModelOption = Annotated[str | None, typer.Option(help="Registered model name; default: settings model.name.")]
-
 
 def _model(settings: Settings, model: str | None) -> str:
-    return model or settings.model.name
+    return resolve_model(settings, model).model.name
 
 
 @rollout_app.command("run")

@@ -12,7 +12,7 @@ import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from sluicegate import ids
-from sluicegate.app.cli.common import cli_errors, console, load_settings
+from sluicegate.app.cli.common import ModelOption, cli_errors, console, load_settings, settings_for_location
 from sluicegate.app.cli.data import open_source, print_verdict
 from sluicegate.settings import Settings
 
@@ -24,11 +24,16 @@ if TYPE_CHECKING:
 def train_command(
     location: Annotated[str, typer.Argument(help="Dataset folder or s3://bucket/datasets/<name>/<version>/.")],
     out: Annotated[Path, typer.Option(help="Model repository to write <model>/<version>/ into.")],
+    model: ModelOption = None,
 ) -> None:
-    """Train, gate and convert a model from a dataset; write the model repository version."""
+    """Train, gate and convert a model from a dataset; write the model repository version.
+
+    The model is the dataset's (its spec's, or named after it) unless --model names another.
+    """
     from tasks import build
 
-    settings = load_settings()
+    settings = settings_for_location(load_settings(), location, model)
+    console.print(f"model {settings.model.name}")
     with cli_errors():
         source = open_source(settings, location)
         manifest = source.manifest()
@@ -58,14 +63,22 @@ def train_command(
 
 def _load(settings: Settings, source: DatasetSource, manifest: bytes) -> tuple[TrainingData, dict[str, Any]]:
     from tasks import build
+    from tasks.dataset_gates import DataShape, candidate_spec
     from tasks.datasets import manifest_paths
-    from tasks.image_stats import channel_baseline, collect_stats
+    from tasks.image_stats import channel_baseline, collect_stats, common_size, is_grey
 
     concurrency = settings.data_gate.read_concurrency
     with console.status("decoding and preprocessing images..."):
-        data = build.load_training_data(settings, source, manifest)
-        baseline = channel_baseline(collect_stats(source, manifest_paths(manifest), concurrency=concurrency))
-    console.print(f"{len(data.x_train)} train / {len(data.x_val)} val images, labels {', '.join(data.labels)}")
+        stats = collect_stats(source, manifest_paths(manifest), concurrency=concurrency)
+        size = common_size(stats)
+        shape = DataShape(size[0], size[1], is_grey(stats)) if size is not None else None
+        spec = candidate_spec(settings, champion=None, data=shape)
+        data = build.load_training_data(settings, source, manifest, spec)
+        baseline = channel_baseline(stats)
+    console.print(
+        f"{len(data.x_train)} train / {len(data.x_val)} val images, labels {', '.join(data.labels)}; "
+        f"input {spec.channels}x{spec.height}x{spec.width} ({spec.colour})"
+    )
     return data, baseline
 
 
@@ -74,7 +87,7 @@ def _train(settings: Settings, data: TrainingData, workdir: Path) -> Trained:
 
     columns = (TextColumn("training"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.description}"))
     with Progress(*columns, TimeElapsedColumn(), console=console) as bar:
-        task = bar.add_task("", total=settings.training.epochs)
+        task = bar.add_task("", total=build.resolved_training(settings, data).epochs)
 
         def on_epoch(record: Any) -> None:
             bar.update(task, advance=1, description=f"val acc {record.val_accuracy:.3f} loss {record.val_loss:.3f}")

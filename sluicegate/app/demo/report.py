@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 from sluicegate.app.demo.prefect_runs import FlowRun
 from sluicegate.app.demo.traffic import TrafficReport
@@ -14,10 +15,12 @@ class Step:
     """One dataset version of the demo."""
 
     label: str
-    count: int
+    count: int  # images of the PCB sample (the digits are all 1,797 scans)
     seed: int
     corrupt: bool = False
     expect: str = "COMPLETED"
+    dataset: str = "pcb"
+    kind: Literal["pcb", "digits"] = "pcb"
 
 
 @dataclass

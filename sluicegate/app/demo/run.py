@@ -2,9 +2,15 @@
 
 1. a first dataset version lands in S3; its event runs the pipeline; every gate passes; the model is
    served by the local model server and becomes champion;
-2. a corrupt version (skewed labels) is stopped by the data gate; the champion keeps serving;
-3. an improved (larger) version passes the eval gate against the champion and goes through the canary
+2. a second, different dataset (scikit-learn's real handwritten digits, grey) lands: with no
+   configuration it trains a model of its own (its name, labels, size and colour from the data), which
+   is served beside the first;
+3. a corrupt version (skewed labels) of the first is stopped by the data gate; both champions keep serving;
+4. an improved (larger) version passes the eval gate against the champion and goes through the canary
    (5% -> 20% -> 50% -> 100%) to champion while a client sends traffic.
+
+The PCB sample's model has a model spec (written to the specs folder unless one exists): its name, and
+an augmentation policy that turns and flips, since solder joints keep their class at any orientation.
 
 It ends with a summary table and the UI links, and leaves the stack running until `sluicegate down`.
 """
@@ -27,8 +33,21 @@ from sluicegate.errors import SluicegateError
 from sluicegate.metadata import MetadataStore
 from sluicegate.settings import Settings
 
-DATASET = "pcb"
 DEMO_MARKER = "demo-settings"
+PCB_MODEL = "pcb-classifier"
+PCB_SPEC = """\
+# Written by `sluicegate demo`: the PCB sample's model (`sluicegate models check` validates it).
+datasets: [pcb]
+intended_use: >-
+  Classifying solder-joint crops of printed circuit boards from automated optical inspection into the
+  dataset's defect classes, as a screening aid whose rejects a person reviews.
+training:
+  # A joint keeps its class at any orientation on the board: flips and quarter turns are safe here
+  # (they are not for digits, where a 6 turned over is a 9).
+  augment_flips: true
+  augment_quarter_turns: true
+serving: {replicas: 2, cpu: "1", memory: 1Gi}
+"""
 
 
 def demo_settings(settings: Settings) -> Settings:
@@ -44,9 +63,31 @@ def demo_settings(settings: Settings) -> Settings:
 def default_steps(first: int = 600, improved: int = 1500) -> list[Step]:
     return [
         Step("v1-first", first, seed=101),
+        Step("v1-digits", 0, seed=0, dataset="digits", kind="digits"),
         Step("v2-corrupt", first, seed=202, corrupt=True, expect="FAILED"),
         Step("v3-improved", improved, seed=303),
     ]
+
+
+def write_pcb_spec(settings: Settings) -> Path | None:
+    """The PCB model's spec, unless the specs folder already has one for it (a user's file is theirs)."""
+    from sluicegate import model_specs
+
+    folder = model_specs.specs_folder(settings)
+    if PCB_MODEL in model_specs.load_specs(folder):
+        return None
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{PCB_MODEL}.yaml"
+    path.write_text(PCB_SPEC, encoding="utf-8")
+    return path
+
+
+def model_settings(settings: Settings, dataset: str) -> Settings:
+    """``settings`` as the model of ``dataset`` sees them."""
+    from sluicegate import model_specs
+
+    choice = model_specs.model_for_dataset(settings, dataset)
+    return model_specs.settings_for_model(settings, choice.name, choice.spec)
 
 
 def run(
@@ -60,7 +101,10 @@ def run(
     """Run the demo; returns what happened (``ok`` when every version ended as expected)."""
     settings = demo_settings(settings)
     report = DemoReport(prefect_ui=settings.prefect.url.removesuffix("/api"), mlflow_ui=settings.mlflow.url)
+    written = write_pcb_spec(settings)
     _start(settings, console)
+    if written is not None:
+        console.print(f"model spec {written}: dataset pcb trains model {PCB_MODEL} (flips and turns allowed)")
     try:
         with MetadataStore.checked(settings.metadata_url) as store:
             report.ok = True
@@ -115,6 +159,8 @@ def _one_version(settings: Settings, store: MetadataStore, console: Console, ste
     from tasks import registry
 
     directory = _render(settings, console, step)
+    settings = model_settings(settings, step.dataset)
+    console.print(f"dataset {step.dataset} trains model [bold]{settings.model.name}[/bold]")
     traffic = _traffic(settings, directory, console) if not step.corrupt and _champion(settings) else None
     try:
         if traffic is not None:
@@ -140,9 +186,15 @@ def _one_version(settings: Settings, store: MetadataStore, console: Console, ste
 
 
 def _render(settings: Settings, console: Console, step: Step) -> Path:
+    from tasks.real_datasets import write_digits
     from tasks.sample_data import Corruption, make_sample
 
     directory = settings.home / "demo" / f"{step.label}-{int(time.time())}"
+    if step.kind == "digits":
+        with console.status("writing scikit-learn's handwritten digits as 64x64 grey PNGs"):
+            written = write_digits(directory, size=64, seed=step.seed)
+        console.print(f"{sum(written.labels.values())} real scans, labels 0-9, splits {written.splits}")
+        return directory
     corruption = Corruption.SKEWED_LABELS if step.corrupt else None
     with Progress(
         TextColumn(f"rendering {step.count} PCB images"), BarColumn(), MofNCompleteColumn(), console=console
@@ -159,7 +211,7 @@ def _push(settings: Settings, console: Console, directory: Path, step: Step) -> 
     files = sum(1 for path in directory.rglob("*") if path.is_file())
     with Progress(TextColumn("uploading to S3"), BarColumn(), MofNCompleteColumn(), console=console) as bar:
         task = bar.add_task("upload", total=files)
-        pushed = push_directory(settings, directory, DATASET, step.label, on_file=lambda _: bar.advance(task))
+        pushed = push_directory(settings, directory, step.dataset, step.label, on_file=lambda _: bar.advance(task))
     pushed_at = time.time()  # the manifest is uploaded last: its PUT is the dataset version's event
     what = " (labels skewed on purpose)" if step.corrupt else ""
     console.print(f"pushed s3://{pushed.bucket}/{pushed.manifest_key}{what}: data version {pushed.data_version[:7]}")
@@ -169,7 +221,7 @@ def _push(settings: Settings, console: Console, directory: Path, step: Step) -> 
 def _follow(
     settings: Settings, store: MetadataStore, console: Console, step: Step, pushed_at: float, timeout: float
 ) -> Followed:
-    key = f"{settings.storage.datasets_prefix}{DATASET}/{step.label}/manifest.csv"
+    key = f"{settings.storage.datasets_prefix}{step.dataset}/{step.label}/manifest.csv"
 
     def elapsed() -> str:
         return f"+{time.time() - pushed_at:6.1f} s"
@@ -200,10 +252,13 @@ def _champion(settings: Settings) -> Any:
 
 
 def _traffic(settings: Settings, directory: Path, console: Console) -> Traffic:
-    from serving.preprocessing import PreprocessSpec
+    from tasks.champion import find_champion
+    from tasks.dataset_gates import champion_spec
 
-    p = settings.preprocessing
-    spec = PreprocessSpec(height=p.height, width=p.width, colour=p.colour, mean=p.mean, std=p.std)
+    # The client preprocesses as the model it calls was trained (its champion's recorded preprocessing).
+    spec = champion_spec(settings, find_champion(settings.mlflow.url, settings.model.name))
+    if spec is None:
+        raise SluicegateError(f"the champion of {settings.model.name} has no recorded preprocessing")
     inputs = load_inputs(sorted((directory / "images").glob("*.png")), spec)
     console.print(f"a client sends {settings.model.name} requests to {settings.rollout.local_grpc} throughout")
     return Traffic(settings.rollout.local_grpc, settings.model.name, inputs, spec)

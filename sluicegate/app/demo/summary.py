@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from rich import box
 from rich.console import Console
@@ -39,9 +39,42 @@ def print_summary(console: Console, report: DemoReport, settings: Settings, stor
     for outcome in report.outcomes:
         if any(weight < 100 for weight, _, _ in outcome.followed.steps):
             console.print(_canary_table(outcome))
+    console.print(_models_table(settings))
     _print_timings(console, report)
     console.print(f"Prefect UI: {report.prefect_ui}/runs  (flow runs, task runs, artifacts)")
-    console.print(f"MLflow UI:  {report.mlflow_ui}/#/models/{settings.model.name}")
+    console.print(f"MLflow UI:  {report.mlflow_ui}/#/models  (one registered model per dataset)")
+
+
+def _models_table(settings: Settings) -> Table:
+    """The models side by side: each with its own champion, served by the same local server."""
+    from tasks import registry
+
+    table = Table(title="models", box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
+    for column in ("model", "champion", "input", "labels"):
+        table.add_column(column, no_wrap=True)
+    for model in registry.models(settings.mlflow.url):
+        holder = registry.alias_holder(settings.mlflow.url, model.name, registry.CHAMPION)
+        config = _served_config(settings, model.name, holder.model_version if holder else "")
+        shape = config.inputs[0]["shape"] if config is not None else None
+        table.add_row(
+            model.name,
+            holder.model_version if holder else "-",
+            "x".join(str(d) for d in shape[1:]) if shape else "-",
+            str(len(config.labels)) if config is not None else "-",
+        )
+    return table
+
+
+def _served_config(settings: Settings, model: str, version: str) -> Any:
+    from serving.errors import RepositoryError
+    from serving.model_format import read_config
+    from tasks.build import repository_root
+
+    folder = repository_root(settings) / model / version
+    try:
+        return read_config(folder) if version and folder.is_dir() else None
+    except RepositoryError:
+        return None
 
 
 def _versions_table(store: MetadataStore, report: DemoReport) -> Table:

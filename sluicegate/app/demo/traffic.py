@@ -30,7 +30,7 @@ class TrafficReport:
 
 
 def load_inputs(images: Sequence[Path], spec: PreprocessSpec, limit: int = 64) -> list[bytes]:
-    """Up to ``limit`` images, preprocessed as the model expects, as raw FP32 [1, 3, H, W] buffers."""
+    """Up to ``limit`` images, preprocessed as the model expects, as raw FP32 [1, C, H, W] buffers."""
     chosen = [np.asarray(Image.open(path).convert("RGB")) for path in list(images)[:limit]]
     if not chosen:
         raise ValueError("the demo client needs at least one image to send")
@@ -50,7 +50,7 @@ class Traffic:
         self._stub = pb_grpc.GRPCInferenceServiceStub(self._channel)  # type: ignore[no-untyped-call]
         self._model, self._inputs = model, inputs
         self._interval = 1.0 / rate
-        self._shape = [1, 3, spec.height, spec.width]
+        self._shape = [1, spec.channels, spec.height, spec.width]
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="demo-traffic", daemon=True)

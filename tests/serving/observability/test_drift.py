@@ -13,7 +13,14 @@ import pytest
 from PIL import Image
 from scipy.stats import ks_2samp
 
-from serving.observability.drift import DriftMonitor, DriftReport, channel_means, ks_two_sample, rgb_baseline
+from serving.observability.drift import (
+    DriftMonitor,
+    DriftReport,
+    baseline_features,
+    channel_means,
+    ks_two_sample,
+    rgb_baseline,
+)
 from serving.preprocessing import PreprocessSpec, preprocess
 from tasks.image_stats import channel_baseline, image_stats
 
@@ -199,3 +206,37 @@ def test_ks_two_sample_is_scipys_asymptotic_test(n: int, m: int, shift: float) -
     expected = ks_2samp(sample, reference, method="asymp")
     assert statistic == pytest.approx(expected.statistic, abs=1e-12)
     assert p_value == pytest.approx(expected.pvalue, rel=1e-9, abs=1e-300)
+
+
+def test_grey_means_match_the_luma_of_the_training_baseline() -> None:
+    """Colour "L": the one served feature, ``l``, is the per-image mean luma, and baseline_features
+    derives the same values from channel_baseline's r/g/b lists (of colour images too)."""
+    images = photos(6, 32, seed=5)
+    spec = PreprocessSpec(height=32, width=32, colour="L", mean=(0.45,), std=(0.25,))
+    stats = [image_stats(f"{i}.png", png(image)) for i, image in enumerate(images)]
+    expected = baseline_features(channel_baseline(stats), spec.to_dict())
+    assert expected is not None and set(expected) == {"l"}
+    served = channel_means(preprocess(np.stack(images), spec), spec.to_dict())
+    assert set(served) == {"l"}
+    np.testing.assert_allclose(served["l"], expected["l"], atol=1e-3)
+
+
+def test_baseline_features_follow_the_colour() -> None:
+    rgb = {"r": [10.0, 20.0], "g": [30.0, 40.0], "b": [50.0, 60.0]}
+    grey = PreprocessSpec(colour="L", mean=(0.5,), std=(0.25,)).to_dict()
+    assert baseline_features(rgb, PreprocessSpec().to_dict()) == rgb
+    assert baseline_features(rgb, {}) == rgb  # no colour: the 3-channel contract
+    luma = baseline_features(rgb, grey)
+    assert luma is not None
+    np.testing.assert_allclose(luma["l"], [0.299 * 10 + 0.587 * 30 + 0.114 * 50, 0.299 * 20 + 0.587 * 40 + 0.114 * 60])
+    assert baseline_features({**rgb, "l": [1, 2, 3]}, grey) == {"l": [1.0, 2.0, 3.0]}  # its own grey sample wins
+    assert baseline_features({}, grey) is None
+    assert baseline_features({"r": [1.0], "g": [1.0, 2.0], "b": [1.0]}, grey) is None  # not pairable per image
+
+
+def test_grey_channel_means_refuses_a_batch_of_the_wrong_channels() -> None:
+    grey = PreprocessSpec(colour="L", mean=(0.5,), std=(0.25,)).to_dict()
+    with pytest.raises(ValueError, match=r"\(N, 1, H, W\) batch for colour L, got shape \(2, 3, 8, 8\)"):
+        channel_means(np.zeros((2, 3, 8, 8), dtype=np.float32), grey)
+    with pytest.raises(ValueError, match=r"need 1 value\(s\) \(grey\)"):
+        channel_means(np.zeros((2, 1, 8, 8), dtype=np.float32), {**grey, "mean": [0.5, 0.5, 0.5]})
