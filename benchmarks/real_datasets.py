@@ -85,7 +85,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", type=Path, default=Path("bench-results/real_datasets.json"))
     args = parser.parse_args()
-    console = Console()
+    console = Console(width=max(Console().width, 130))  # the table's nine columns, also when piped
     rows: dict[str, dict[str, Any]] = {}
     for name, write in DATASETS.items():
         work = Path(tempfile.mkdtemp(prefix="sluicegate-bench-real-"))

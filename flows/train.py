@@ -44,13 +44,14 @@ def _train(
 def _train_gate(settings: Settings, store: MetadataStore, run_id: int, trained: build.Trained) -> GateVerdict:
     """The train gate against this model's recent runs (their recorded train-gate metrics)."""
     from sluicegate.metadata import gates as gate_rows
-    from tasks.train_gate import history_from_metrics
+    from tasks.train_gate import comparable_runs, history_from_metrics
 
     with store.session() as session:
-        earlier = gate_rows.recent_gate_results(session, "train", exclude_run_id=run_id, limit=200)
-        metrics = [r.metrics.get("metrics", {}) for r in earlier]
-    same_model = [m for m in metrics if m.get("model_name") == settings.model.name]
-    history = history_from_metrics(same_model[: settings.train_gate.history_runs])
+        rows = gate_rows.recent_gate_results(session, "train", exclude_run_id=run_id, limit=200)
+        metrics = [r.metrics.get("metrics", {}) for r in rows]
+    epochs = trained.result.resolved.epochs
+    earlier = comparable_runs(metrics, model=settings.model.name, epochs=epochs, limit=settings.train_gate.history_runs)
+    history = history_from_metrics(earlier)
     return build.gate_training(settings, trained, history)
 
 

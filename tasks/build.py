@@ -118,6 +118,7 @@ def gate_training(settings: Settings, trained: Trained, history: Sequence[Histor
         metrics={
             **verdict.metrics,
             "model_name": settings.model.name,
+            "epochs": result.resolved.epochs,  # the epoch budget: runs are history to runs of a like one
             "best_epoch": result.best_epoch,
             "best_val_accuracy": result.best_val_accuracy,
             "best_val_loss": result.best_val_loss,

@@ -127,6 +127,34 @@ def gate_metrics(curve: Sequence[float], peak_memory_bytes: int, step_losses: Se
     }
 
 
+# Earlier runs whose epoch count differs from this run's by more than this fraction are not its history.
+EPOCHS_TOLERANCE = 0.25
+
+
+def comparable_runs(
+    metrics: Sequence[Mapping[str, Any]], *, model: str, epochs: int, limit: int
+) -> list[Mapping[str, Any]]:
+    """The recorded train-gate metrics of the ``limit`` most recent earlier runs that are this run's history:
+    the same model, and about as many passes over their data (within ``EPOCHS_TOLERANCE``).
+
+    The final training loss depends on how often the model saw each image: with the epoch budget following
+    the set's size, a first version of 420 images trains 48 epochs and a 1,050-image one 19, and the smaller
+    set's lower final loss is memorisation, not a stability bar the larger one must meet. Records from before
+    the epochs were recorded count as comparable (as they did then).
+    """
+    chosen = []
+    for entry in metrics:
+        if entry.get("model_name") != model:
+            continue
+        recorded = entry.get("epochs")
+        if isinstance(recorded, bool) or not isinstance(recorded, int):
+            recorded = epochs  # not recorded: comparable, as before epochs were
+        if abs(recorded - epochs) > EPOCHS_TOLERANCE * max(recorded, epochs):
+            continue
+        chosen.append(entry)
+    return chosen[:limit]
+
+
 def history_from_metrics(metrics: Sequence[Mapping[str, Any]]) -> list[HistoryRun]:
     """Earlier runs from their recorded train-gate metrics, oldest first as given.
 

@@ -15,6 +15,7 @@ from sluicegate.settings import TrainGateSettings
 from tasks.train_gate import (
     SMOOTH_POINTS,
     HistoryRun,
+    comparable_runs,
     gate_metrics,
     history_from_metrics,
     loss_rise,
@@ -230,3 +231,19 @@ def test_a_run_of_a_few_steps_is_judged_on_its_epochs_and_its_first_step() -> No
     # A blow-up inside the first epoch still shows against the first step's loss.
     blown = train_gate([500.0, 3.0], 1000, [], TrainGateSettings(), step_losses=[0.7, 1500.0, 1.0, 3.0, 3.0, 3.0])
     assert not blown.passed and "loss rise" in blown.reason()
+
+
+def test_history_is_earlier_runs_of_the_same_model_with_a_like_epoch_budget() -> None:
+    recorded = [
+        {"model_name": "digits", "epochs": 48, "final_loss": 0.1, "peak_memory_bytes": GiB},
+        {"model_name": "digits", "epochs": 20, "final_loss": 0.3, "peak_memory_bytes": GiB},
+        {"model_name": "pcb", "epochs": 19, "final_loss": 0.2, "peak_memory_bytes": GiB},
+        {"model_name": "digits", "final_loss": 0.35, "peak_memory_bytes": GiB},  # recorded before epochs were
+        {"model_name": "digits", "epochs": 17, "final_loss": 0.32, "peak_memory_bytes": GiB},
+    ]
+    chosen = comparable_runs(recorded, model="digits", epochs=19, limit=10)
+    assert [entry["final_loss"] for entry in chosen] == [0.3, 0.35, 0.32]
+    assert comparable_runs(recorded, model="digits", epochs=19, limit=2) == chosen[:2]
+    # The 48-epoch run's lower final loss is not a bar for a 19-epoch run of a larger set.
+    verdict = train_gate(SMOOTH, GiB, history_from_metrics(chosen), SETTINGS)
+    assert check(verdict, "final loss vs history").passed  # type: ignore[attr-defined]
