@@ -19,9 +19,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from sluicegate.errors import DatasetError
 from sluicegate.settings import EvalGateSettings
-from tasks.dataset_source import DatasetSource, map_objects
+from tasks.dataset_source import DatasetSource
 from tasks.evaluation import Evaluation
 from tasks.verdicts import Check, GateVerdict
 
@@ -249,25 +248,12 @@ def load_split_thumbnails(
     Raises:
         DatasetError: the split has no labelled rows or none of its images decode.
     """
-    from tasks.training_data import decode_or_none, labelled_rows
-
-    rows = labelled_rows(manifest, split)
-    if not rows:
-        raise DatasetError(f"manifest.csv has no labelled rows with split {split!r}: the baselines need some")
-    if len(rows) > limit:
-        keep = np.sort(np.random.default_rng(seed).choice(len(rows), size=limit, replace=False))
-        rows = [rows[i] for i in keep]
+    from tasks.training_data import decode_or_none, read_labelled
 
     def shrink(path: str, data: bytes) -> Image | None:
         decoded = decode_or_none(path, data)
         return None if decoded is None else thumbnail(decoded, size)
 
-    label_of = dict(rows)
-    images, labels = [], []
-    for path, outcome in map_objects(source, [path for path, _ in rows], shrink, concurrency):
-        if isinstance(outcome, np.ndarray):
-            images.append(outcome)
-            labels.append(label_of[path])
-    if not images:
-        raise DatasetError(f"none of the {len(rows)} {split} images could be read and decoded")
-    return images, labels
+    return read_labelled(
+        source, manifest, split, shrink, limit=limit, seed=seed, concurrency=concurrency, reader="the baselines"
+    )

@@ -20,8 +20,7 @@ import numpy.typing as npt
 
 from serving.model_format import verify_version
 from serving.preprocessing import PreprocessSpec, preprocess
-from sluicegate.errors import DatasetError
-from tasks.dataset_source import DatasetSource, map_objects
+from tasks.dataset_source import DatasetSource
 
 Float32Array = npt.NDArray[np.float32]
 
@@ -124,23 +123,18 @@ def load_test_split(
     Raises:
         DatasetError: the split has no labelled rows or none of its images decode.
     """
-    from tasks.training_data import decode_or_none, labelled_rows
+    from tasks.training_data import decode_or_none, read_labelled
 
-    rows = labelled_rows(manifest, "test")
-    if not rows:
-        raise DatasetError("manifest.csv has no labelled rows with split 'test': the evaluation gate needs some")
-    if len(rows) > limit:
-        keep = np.sort(np.random.default_rng(seed).choice(len(rows), size=limit, replace=False))
-        rows = [rows[i] for i in keep]
-    label_of = dict(rows)
-    images, labels = [], []
-    for path, outcome in map_objects(source, [path for path, _ in rows], decode_or_none, concurrency):
-        if isinstance(outcome, np.ndarray):
-            images.append(outcome)
-            labels.append(label_of[path])
-    if not images:
-        raise DatasetError(f"none of the {len(rows)} test images could be read and decoded")
-    return images, labels
+    return read_labelled(
+        source,
+        manifest,
+        "test",
+        decode_or_none,
+        limit=limit,
+        seed=seed,
+        concurrency=concurrency,
+        reader="the evaluation gate",
+    )
 
 
 def softmax(logits: Float32Array) -> Float32Array:

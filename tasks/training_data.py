@@ -11,7 +11,8 @@ from __future__ import annotations
 import csv
 import io
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -22,6 +23,8 @@ from tasks.dataset_source import DatasetSource, map_objects
 from tasks.image_stats import decode_rgb
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 # Decoded images preprocessed at once: bounds the uint8 images held besides the float32 output.
 PREPROCESS_CHUNK = 256
@@ -126,3 +129,41 @@ def decode_or_none(_: str, data: bytes) -> npt.NDArray[np.uint8] | None:
         return decode_rgb(data)
     except (OSError, ValueError, SyntaxError):
         return None
+
+
+def read_labelled(
+    source: DatasetSource,
+    manifest: bytes,
+    split: str,
+    decode: Callable[[str, bytes], T | None],
+    *,
+    limit: int,
+    seed: int = 0,
+    concurrency: int = 16,
+    reader: str = "this stage",
+) -> tuple[list[T], list[str]]:
+    """A split's labelled images as ``decode`` makes them (read in parallel; None: skipped, the data gate
+    reports those), with their labels; at most ``limit`` rows, a seeded subset beyond, the same every run.
+
+    Args:
+        reader: who needs the rows, for the error message ("the evaluation gate").
+
+    Raises:
+        DatasetError: the split has no labelled rows or none of its images decode.
+    """
+    rows = labelled_rows(manifest, split)
+    if not rows:
+        raise DatasetError(f"manifest.csv has no labelled rows with split {split!r}: {reader} needs some")
+    if len(rows) > limit:
+        keep = np.sort(np.random.default_rng(seed).choice(len(rows), size=limit, replace=False))
+        rows = [rows[i] for i in keep]
+    label_of = dict(rows)
+    images: list[T] = []
+    labels: list[str] = []
+    for path, outcome in map_objects(source, [path for path, _ in rows], decode, concurrency):
+        if outcome is not None and not isinstance(outcome, DatasetError):
+            images.append(outcome)
+            labels.append(label_of[path])
+    if not images:
+        raise DatasetError(f"none of the {len(rows)} {split} images could be read and decoded")
+    return images, labels
