@@ -22,7 +22,7 @@ from serving.preprocessing import preprocess
 from serving.server import RunningServer, start
 from serving.settings import ServingSettings
 from tests.fixtures.models import SPEC, resnet, write_model_version
-from tests.fixtures.services import free_port
+from tests.fixtures.services import free_port, wait_prometheus_ready
 
 MODEL = "watched"
 
@@ -166,6 +166,8 @@ def test_a_real_prometheus_scrapes_the_server_and_answers_a_p95_query(watched: R
         stderr=subprocess.STDOUT,
     )
     try:
+        # Prometheus answers queries with a plain-text 503 until its TSDB is loaded (seconds on a busy machine).
+        wait_prometheus_ready(f"http://127.0.0.1:{port}", proc, tmp_path / "prometheus.log")
         c = triton.InferenceServerClient(f"127.0.0.1:{watched.grpc_port}")
         x = preprocess(pictures(1, np.random.default_rng(4)), SPEC)
         query = (
@@ -177,7 +179,7 @@ def test_a_real_prometheus_scrapes_the_server_and_answers_a_p95_query(watched: R
                 send(c, x)
             try:
                 answer = httpx.get(f"http://127.0.0.1:{port}/api/v1/query", params={"query": query}, timeout=5).json()
-            except httpx.HTTPError:
+            except (httpx.HTTPError, ValueError):  # ValueError: a non-JSON answer (not ready, overloaded)
                 answer = {}
             result = answer.get("data", {}).get("result", [])
             if result and result[0]["value"][1] not in ("NaN", "+Inf"):
