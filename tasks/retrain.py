@@ -34,12 +34,6 @@ class RetrainDecision:
     newest: NewestDataset | None
 
 
-def newest_dataset(s3: S3Client, bucket: str, datasets_prefix: str) -> NewestDataset | None:
-    """The newest manifest in the bucket with its data version (sha256 of its bytes), or None."""
-    found = datasets.newest_manifest(s3, bucket, datasets_prefix)
-    return None if found is None else _pinned(s3, bucket, *found)
-
-
 def _pinned(s3: S3Client, bucket: str, key: str, version_id: str | None) -> NewestDataset:
     # Read the version just listed, so a manifest written meanwhile cannot swap the bytes hashed.
     manifest, _, version = datasets.read_manifest(s3, bucket, key, version_id)
