@@ -13,7 +13,7 @@ PYTEST_ARGS ?=
 help:
 	@echo "make demo   - bring up the embedded stack and run a dataset through the pipeline"
 	@echo "make test   - lint, then the whole test suite against real services"
-	@echo "make bench  - benchmarks (event latency S3 PUT -> flow-run start)"
+	@echo "make bench  - benchmarks (event latency, serving vs Triton/KServe, training, demo): same-run ratios"
 	@echo "make lint   - ruff, mypy, codespell"
 	@echo "make generate - regenerate serving/proto/ gRPC code from its .proto files"
 

@@ -17,10 +17,11 @@ import resource
 import shutil
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -64,11 +65,33 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def default_bench_dir() -> Path:
-    for candidate in (ROOT / "shared" / "bench", ROOT.parent / "shared" / "bench"):
+def default_bench_dir(root: Path = ROOT) -> Path:
+    """The shared harness: ``shared/bench`` beside this checkout, or beside the repository it was cloned
+    from (``git clone . /tmp/x && cd /tmp/x && make bench`` must find the same harness)."""
+    roots = [root, root.parent]
+    origin = _origin_path(root)
+    if origin is not None:
+        roots += [origin, origin.parent]
+    for root in roots:
+        candidate = root / "shared" / "bench"
         if (candidate / "v2load.py").is_file():
             return candidate
-    return ROOT.parent / "shared" / "bench"
+    return root.parent / "shared" / "bench"
+
+
+def _origin_path(root: Path) -> Path | None:
+    """The folder this checkout was cloned from, when its origin is a local path."""
+    try:
+        url = subprocess.run(
+            ["git", "-C", str(root), "config", "--get", "remote.origin.url"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    url = url.removeprefix("file://")
+    return Path(url).resolve() if url.startswith("/") else None
 
 
 def pinning() -> tuple[list[str], list[str], str]:
@@ -79,6 +102,41 @@ def pinning() -> tuple[list[str], list[str], str]:
         return [], [], f"cores {CLIENT_CPU} and {SERVER_CPU} not both available: NOT pinned"
     note = f"server on core {SERVER_CPU}, client on core {CLIENT_CPU} (taskset)"
     return ["taskset", "-c", str(SERVER_CPU)], ["taskset", "-c", str(CLIENT_CPU)], note
+
+
+@dataclass(frozen=True)
+class CorePins:
+    """``taskset`` prefixes for a server on ``cores`` cores and its client, and whether they share one."""
+
+    cores: int
+    server: list[str]
+    client: list[str]
+    server_cpus: str
+    client_cpus: str
+    shared: bool
+
+
+def core_pins(cores: int, most: int, avail: Sequence[int] | None = None) -> CorePins | None:
+    """The server on ``cores`` cores and the client on core 0, the same client cores for every point up to
+    ``most`` (plus the cores no server point uses, where there are any). On a 2-core machine the 2-core
+    server takes core 0 too, so it shares it with the client (``shared``). None: not enough cores, or no
+    taskset. ``avail``: the cores to use (default: this process's affinity)."""
+    avail = sorted(os.sched_getaffinity(0) if avail is None else avail)
+    if shutil.which("taskset") is None or cores > len(avail):
+        return None
+    if len(avail) > most:
+        server, client = avail[1 : cores + 1], [avail[0], *avail[most + 1 :]]
+    else:
+        server, client = (avail[1 : cores + 1] if cores < len(avail) else avail[:cores]), [avail[0]]
+    server_cpus, client_cpus = ",".join(map(str, server)), ",".join(map(str, client))
+    return CorePins(
+        cores,
+        ["taskset", "-c", server_cpus],
+        ["taskset", "-c", client_cpus],
+        server_cpus,
+        client_cpus,
+        bool(set(server) & set(client)),
+    )
 
 
 def cpu_seconds() -> tuple[float, float, float]:
@@ -172,6 +230,8 @@ def running_server(
     grpc_port, http_port = free_port(), free_port()
     base = os.environ if env is None else env
     env = {**base, "SLUICEGATE_SERVING__ORT_THREADS": "1", "SLUICEGATE_SERVING__CACHE_DIR": str(work / "cache")}
+    # No load balancer to wait for between points: stop at once (the 5 s default is for pods).
+    env.setdefault("SLUICEGATE_SERVING__SHUTDOWN_DELAY_S", "0")
     argv = [*prefix, sys.executable, "-m", "serving", "--repo", str(repo), "--host", "127.0.0.1"]
     argv += ["--grpc-port", str(grpc_port), "--http-port", str(http_port)]
 
@@ -224,17 +284,66 @@ def started(argv: list[str], env: Mapping[str, str], log_path: Path, ready: Call
         stop(process)
 
 
-def stop(process: subprocess.Popen[bytes]) -> None:
-    if process.poll() is not None:
-        return
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(process.pid, signal.SIGTERM)
-    try:
-        process.wait(STOP_GRACE_S)
-    except subprocess.TimeoutExpired:
+def stop(process: subprocess.Popen[bytes], grace_s: float = STOP_GRACE_S) -> None:
+    """SIGTERM to the process group, SIGKILL after ``grace_s``; then SIGKILL whatever of the group
+    outlived its leader (a peer's child, e.g. Triton's backend stub), so no server lingers on a core."""
+    if process.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
+            process.wait(10)
+    deadline = time.monotonic() + grace_s
+    while group_pids(process.pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    if group_pids(process.pid):
         with contextlib.suppress(ProcessLookupError):
             os.killpg(process.pid, signal.SIGKILL)
-        process.wait(10)
+        deadline = time.monotonic() + 5
+        while group_pids(process.pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+
+def group_pids(pgid: int) -> list[int]:
+    """Live processes of a process group (/proc/PID/stat field 5), zombies excluded."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            stat = (entry / "stat").read_text()
+            fields = stat[stat.rindex(")") + 2 :].split()  # state, ppid, pgrp, ...
+            if int(fields[2]) == pgid and fields[0] != "Z":
+                found.append(int(entry.name))
+    return found
+
+
+LISTENER_PID = re.compile(r"pid=(\d+),")
+LOOPBACK = ("127.0.0.1:", "[::ffff:127.0.0.1]:", "[::1]:")
+
+
+def binding(pgid: int, label: str) -> dict[str, Any]:
+    """What ``run_peers.sh`` checks before loading a server: every listening socket of its process group is
+    on loopback (raise otherwise), and which cores each of its processes may run on."""
+    pids = set(group_pids(pgid))
+    listing = subprocess.run(["ss", "-H", "-ltunp"], capture_output=True, text=True, check=False).stdout
+    addrs = [
+        line.split()[4]
+        for line in listing.splitlines()
+        if len(line.split()) > 4 and pids & {int(pid) for pid in LISTENER_PID.findall(line)}
+    ]
+    cpus = set()
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            status = Path(f"/proc/{pid}/status").read_text()
+            cpus |= {line.split()[1] for line in status.splitlines() if line.startswith("Cpus_allowed_list")}
+    outside = [addr for addr in addrs if not addr.startswith(LOOPBACK)]
+    if outside:
+        raise RuntimeError(f"{label} listens beyond loopback ({', '.join(outside)}): refusing to load it")
+    return {"kind": "bind", "label": label, "procs": len(pids), "cpus": " ".join(sorted(cpus)), "addrs": addrs}
 
 
 def tail(path: Path, chars: int = 4000) -> str:
@@ -262,6 +371,77 @@ def run_load(
     argv = [*client, sys.executable, str(bench / "v2load.py"), "run", "--target", target, "--model", model]
     argv += ["--label", label, "--shape", ",".join(map(str, SHAPES[model])), "--concurrency", concurrency]
     return json_lines([*argv, "--duration", str(timing[0]), "--warmup", str(timing[1])])
+
+
+def grpc_ready(port: int, models: Sequence[str]) -> Callable[[], bool]:
+    """A readiness probe for any V2 gRPC server: ServerLive, then ModelReady for each model."""
+    import grpc  # here, not at import: observability_overhead.py never needs it
+
+    from serving.proto import grpc_service_pb2 as pb
+    from serving.proto import grpc_service_pb2_grpc as pbg
+
+    def ready() -> bool:
+        with contextlib.suppress(grpc.RpcError), grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = pbg.GRPCInferenceServiceStub(channel)  # type: ignore[no-untyped-call]
+            if not stub.ServerLive(pb.ServerLiveRequest(), timeout=2).live:
+                return False
+            return all(stub.ModelReady(pb.ModelReadyRequest(name=name), timeout=2).ready for name in models)
+        return False
+
+    return ready
+
+
+def run_channels(
+    client: list[str],
+    bench: Path,
+    target: str,
+    model: str,
+    channels: int,
+    concurrency: int,
+    timing: tuple[float, float],
+    label: str,
+) -> dict[str, Any]:
+    """``channels`` v2load processes at once, ``concurrency`` requests in flight each, one ``v2grpc`` line
+    with their sum: a server whose processes share a port with SO_REUSEPORT gets its connections spread by
+    the kernel, and one v2load channel is one connection, so it would load one process only.
+
+    The processes start together and count over the same warm-up and window (each its own clock: they
+    overlap to within their start-up, a fraction of a second). ``infer_per_s``, ``req_per_s``, ``n``,
+    ``errors`` and ``client_cpu_util`` are summed; ``p50_ms``/``p99_ms`` are the median/largest of theirs."""
+    argv = [*client, sys.executable, str(bench / "v2load.py"), "run", "--target", target, "--model", model]
+    argv += ["--label", label, "--shape", ",".join(map(str, SHAPES[model])), "--concurrency", str(concurrency)]
+    argv += ["--duration", str(timing[0]), "--warmup", str(timing[1])]
+    running = [
+        subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(channels)
+    ]
+    parts = []
+    for process in running:
+        out, err = process.communicate(timeout=900)
+        if process.returncode != 0:
+            raise RuntimeError(f"{' '.join(argv)} exited {process.returncode}:\n{out}\n{err[-4000:]}")
+        parts += [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    return combine(parts, label, channels)
+
+
+def combine(parts: list[dict[str, Any]], label: str, channels: int) -> dict[str, Any]:
+    """One ``v2grpc`` line from the lines of several concurrent v2load processes (see ``run_channels``)."""
+    lines = [x for x in parts if x["kind"] == "v2grpc"]
+    if len(lines) != channels:
+        raise RuntimeError(f"{label}: {channels} load processes gave {len(lines)} result lines: {parts}")
+    errors = [x["first_error"] for x in lines if x["errors"]]
+    return {
+        **lines[0],
+        "label": label,
+        "channels": channels,
+        "concurrency": sum(int(x["concurrency"]) for x in lines),
+        **{key: round(sum(float(x[key]) for x in lines), 3) for key in ("infer_per_s", "req_per_s", "client_cpu_util")},
+        "n": sum(int(x["n"]) for x in lines),
+        "errors": sum(int(x["errors"]) for x in lines),
+        "first_error": errors[0] if errors else None,
+        "p50_ms": statistics.median(float(x["p50_ms"]) for x in lines),
+        "p99_ms": max(float(x["p99_ms"]) for x in lines),
+        "per_channel": [{key: x[key] for key in ("infer_per_s", "p50_ms", "client_cpu_util")} for x in lines],
+    }
 
 
 def v2_point(lines: list[dict[str, Any]], model: str, concurrency: int, label: str) -> dict[str, Any]:

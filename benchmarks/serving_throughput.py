@@ -1,426 +1,461 @@
-"""Serving throughput: our KServe V2 gRPC server against the peers and a same-run grpcio reference,
-measured with the peers' own harness.
+"""Serving throughput: our KServe V2 gRPC server against Triton and KServe, a grpcio reference and the
+ONNX Runtime limit, all measured in the same run with the peers' own harness.
 
 Builds the harness's ``small`` (3-conv CNN, [N,3,64,64] -> 4 classes) and ``medium`` (ResNet-18-like,
-[N,3,224,224] -> 1000 classes) models with ``bench/make_models.py``, wraps them into a temporary model
-repository (with a drift baseline, so telemetry on runs every monitor), starts ``python -m serving`` on
-core 1 (``taskset -c 1``, ONNX Runtime one intra-op thread, 127.0.0.1 only) and loads it from core 0
-with the closed-loop client the peers were measured with (``bench/v2load.py``: one grpc.aio channel, C
-requests in flight, a fixed warm-up then a fixed window). Correctness first (``v2load.py check`` against
-``<model>.ref.npz``); the limit is ``bench/ort_limit.py`` (in-process ``session.run`` on core 1, same
-session settings, no network), best batch per model. In every repeat the grpcio reference
-(``benchmarks/reference_server.py``: a minimal synchronous grpcio server with a dynamic batcher, max
-batch 8) is measured the same way, right before or after ours (the order alternates between repeats).
+[N,3,224,224] -> 1000 classes) models with ``bench/make_models.py`` and wraps them into a temporary model
+repository (with a drift baseline, so telemetry on runs every monitor). Each repeat then measures, each
+server a fresh process on core 1 (``taskset``), loaded from core 0 by the peers' closed-loop client
+(``bench/v2load.py``: one grpc.aio channel, C requests in flight, a fixed warm-up then a fixed window),
+its answers checked against ORT's first:
 
-The peer rows are constants: the figures the harness measured for the serving issue, same cores, same
-client, same durations, on a day when this VM was faster (its ORT limit is in the table). Targets, as
-the issue states them: small c=32 >= 2,400 inferences/s, small c=1 p50 <= 0.8 ms, medium c=32 >= 97% of
-the limit. Because the VM's speed moves by ±20% between runs, the same run also judges relative
-targets: small c=32 >= 95% of the reference's throughput and small c=1 p50 <= 1.05x the reference's
-(each ratio per repeat, then the median). "Scaled to the peers' machine" multiplies our small points by
-(peer-table ORT limit / this run's ORT limit): an estimate, not a measurement.
+- ``limit``: ``bench/ort_limit.py`` (in-process ``session.run`` on core 1, the peers' session settings);
+- ``ours``: ``python -m serving`` with default settings (all observability on), ORT one intra-op thread;
+- ``ours_telemetry_off``: the same with ``SLUICEGATE_SERVING__TELEMETRY=false`` (small and medium c=32);
+- ``reference``: ``benchmarks/reference_server.py``, a minimal grpcio server with a dynamic batcher;
+- ``triton`` and ``kserve``: the peers (``benchmarks/peers.py``; set up once with the harness's
+  ``setup_venvs.sh`` when missing);
+- the cores points: the small model from several v2load processes at once (one channel would load one of
+  our SO_REUSEPORT processes only; 4 x c=8 on a 2-core machine), ours and Triton, on 1 server core, 2
+  (on a 2-core machine the server's second core is the client's), and 8 where the machine has 8 cores.
 
-Durations: 12 s per point after 3 s of warm-up, median of 2 whole runs, like the peers; ``--quick`` (4 s
-/ 1 s, one run), ``--duration``, ``--warmup``, ``--repeats``, or ``SLUICEGATE_BENCH_SECONDS`` (the default
-of ``--duration``, for ``make bench``). Server settings pass through from ``SLUICEGATE_SERVING__*`` (e.g.
-``GRPC_WORKERS``, ``TELEMETRY``), except ORT_THREADS=1. The table notes how much CPU other processes took
-during the run (2 cores: anything else lands on the server's or the client's) and warns above 0.1 core.
+The order of the servers is reversed every other repeat, so none always gets the earlier minutes. Points
+are small c=1, small c=32, medium c=32. Targets (PASS/MISS), each a ratio within a repeat, then the median:
+small c=32 >= 1.5x Triton and >= 1.5x KServe and >= 95% of the reference; small c=1 p50 <= KServe's;
+medium c=32 >= 97% of the limit; observability (on vs off) costs <= 10% at small and medium c=32
+(``observability_overhead.py`` measures that cost more closely: rounds, server CPU per request).
+
+Durations: 12 s per point after 3 s of warm-up, median of 2 repeats, like the peers; ``--quick`` (4 s /
+1 s, one repeat), ``--duration``, ``--warmup``, ``--repeats``, or ``SLUICEGATE_BENCH_SECONDS`` (the
+default of ``--duration``, for ``make bench``). Our server's settings pass through from
+``SLUICEGATE_SERVING__*``, except ORT_THREADS=1. ``--out FILE`` writes the summary JSON; the raw result
+lines and notes always go to ``--raw`` (``bench-results/serving_throughput.json``).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
-import statistics
 import sys
 import tempfile
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from benchmarks import peers
 from benchmarks.serving_harness import (
-    MODELS,
     NOISE_CORES,
+    CorePins,
     Server,
+    binding,
     build_repository,
     check,
+    core_pins,
     cpu_seconds,
     default_bench_dir,
     fill_defaults,
+    group_pids,
     json_lines,
     log_problems,
     model_files,
     others_cores,
     pinning,
+    process_cpu_s,
     progress,
     require_harness,
     revision,
+    run_channels,
     run_load,
     running_reference,
     running_server,
-    v2_point,
 )
+from benchmarks.serving_report import (
+    KSERVE,
+    LIMIT,
+    OFF,
+    OURS,
+    REFERENCE,
+    TITLES,
+    TRITON,
+    Point,
+    Repeat,
+    cores_table,
+    limit_row,
+    main_table,
+    server_row,
+    summary,
+    targets,
+    targets_table,
+)
+from serving.settings import ServingSettings
 
-PEERS_MEASURED = "measured by the harness, 2026-11-29"
-TARGET_SMALL_C32 = 2_400.0  # inferences/s
-TARGET_SMALL_C1_P50_MS = 0.8
-TARGET_MEDIUM_SHARE = 0.97  # of this run's ORT limit
-TARGET_REFERENCE_SHARE = 0.95  # small c=32 throughput, of the grpcio reference's in the same repeat
-TARGET_REFERENCE_P50 = 1.05  # small c=1 p50, times the grpcio reference's in the same repeat
 # Small: a cap of 8 beat 32 by 9% with a lower p99 (FACTS "Serving on grpcio"). Medium: ~35 ms of ORT per
-# image, so per-request overhead is about 1% and ORT's throughput hardly depends on the batch (batches 1, 8
-# and 32 trade places from run to run here, README); batching only has to keep the core busy between
-# requests. 8 does that at c=32 while a batch stays near 0.3 s (1.1 s at 32, and a request waits for its
-# whole batch); caps of 1, 8 and 32 served medium at the same rate.
+# image, so ORT's throughput hardly depends on the batch; 8 keeps the core busy while a batch stays near
+# 0.3 s (1.1 s at 32, and a request waits for its whole batch).
 DEFAULT_MAX_BATCH = {"small": 8, "medium": 8}
 REFERENCE_MAX_BATCH = 8  # the yardstick stays fixed when ours is tried with other caps
-POINTS = (("small", 1), ("small", 32), ("medium", 32))  # (model, concurrency), in the table's column order
-FIELDS = ("small_c1", "small_c32", "medium_c32")
-OURS, REFERENCE = "sluicegate", "grpcio-reference"  # v2load labels
+CORE_COUNTS = (1, 2, 8)  # server cores of the cores points, those the machine holds
+SPREAD_TRIES = 3  # loads of a cores point until every worker of ours got a connection (see cores_point)
+PER_CORE = 16  # the cores points' requests in flight per server core of the largest point (32 at 2 cores)
+TELEMETRY_OFF = {"SLUICEGATE_SERVING__TELEMETRY": "false"}
+WORKERS_ENV = "SLUICEGATE_SERVING__WORKERS"
+Lines = list[dict[str, Any]]
+Starter = Callable[[list[str], str], AbstractContextManager[Server]]  # (server taskset prefix, log name)
 
 
 @dataclass(frozen=True)
-class Point:
-    """One measured point: inferences/s, client-side p50 (ms), and the batch of an ORT limit point."""
+class Job:
+    """One server to start in a repeat: its key (the v2load label), the loads to run on it, and how to
+    start it on a given ``taskset`` prefix under a log file name."""
 
-    infer_per_s: float
-    p50_ms: float | None = None
-    batch: int | None = None
-
-
-@dataclass(frozen=True)
-class Row:
-    server: str
-    small_c1: Point
-    small_c32: Point
-    medium_c32: Point
-
-
-PEERS = (
-    Row("Seldon MLServer 1.7.1", Point(390, 2.5), Point(405), Point(20)),
-    Row("KServe 0.21 ModelServer", Point(1_004, 0.98), Point(1_280), Point(28)),
-    Row("Triton 2.51 via PyTriton, dynamic batching", Point(197, 4.9), Point(1_567), Point(30)),
-)
-HARNESS_LIMIT = Row("raw ONNX Runtime in-process (the limit)", Point(4_679, 0.21), Point(4_865, batch=8), Point(31))
+    key: str
+    loads: tuple[tuple[str, str], ...]  # (model, concurrencies) for v2load, e.g. ("small", "1,32")
+    start: Starter
+    pins: CorePins | None = None  # the server's cores for a cores point (None: the main pinning)
+    cores_point: int | None = None  # also (or only) the multi-channel small point, as this many cores
 
 
 @dataclass(frozen=True)
-class Target:
-    name: str
-    kind: str  # "issue (absolute)", "same run (relative)", or both
-    observed: str
-    threshold: str
-    passed: bool
+class Setup:
+    """What every repeat uses: the harness, the scratch folder, the repository, pinning and the peers."""
+
+    bench: Path
+    work: Path
+    repo: Path
+    server_cpu: list[str]
+    client_cpu: list[str]
+    core_pins: dict[int, CorePins]
+    peer_root: Path | None  # None: --no-peers
 
 
-@dataclass(frozen=True)
-class Repeat:
-    """One repeat's rows: ours, the grpcio reference and the in-process limit, measured minutes apart."""
+def jobs(setup: Setup) -> list[Job]:
+    """Every server of one repeat, in the order of even repeats."""
+    work, repo = setup.work, setup.repo
+    both = (("small", "1,32"), ("medium", "32"))
+    one_core = 1 if 1 in setup.core_pins else None
+    found = [
+        Job(OURS, both, lambda pin, log: running_server(repo, work, pin, log_name=log), cores_point=one_core),
+        Job(
+            OFF,
+            (("small", "32"), ("medium", "32")),
+            lambda pin, log: running_server(repo, work, pin, env={**os.environ, **TELEMETRY_OFF}, log_name=log),
+        ),
+        Job(
+            REFERENCE,
+            both,
+            lambda pin, log: running_reference(model_files(work), work, pin, max_batch=REFERENCE_MAX_BATCH),
+        ),
+    ]
+    if setup.peer_root is not None:
+        found += [
+            Job(TRITON, both, peer(setup, peers.running_triton, ("small", "medium")), cores_point=one_core),
+            Job(KSERVE, both, peer(setup, peers.running_kserve, ("small", "medium"))),
+        ]
+    for cores, pins in setup.core_pins.items():
+        if cores == 1:
+            continue
+        found.append(Job(f"{OURS}@{cores}", (), ours_on_cores(setup, cores), pins, cores))
+        if setup.peer_root is not None:
+            found.append(Job(f"{TRITON}@{cores}", (), peer(setup, peers.running_triton, ("small",)), pins, cores))
+    return found
 
-    ours: Row
-    reference: Row
-    limit: Row
+
+def peer(setup: Setup, launcher: Callable[..., AbstractContextManager[Server]], models: tuple[str, ...]) -> Starter:
+    """A peer's starter: ``peers.running_triton`` or ``peers.running_kserve`` serving ``models``."""
+    root = setup.peer_root
+    assert root is not None  # jobs() asks for peers only when they are measured
+
+    def start(pin: list[str], log: str) -> AbstractContextManager[Server]:
+        return launcher(root, setup.bench, setup.work / "models", models, setup.work, pin, log)
+
+    return start
 
 
-def load_server(
-    client: list[str], bench: Path, models: Path, server: Server, label: str, args: argparse.Namespace
-) -> list[dict[str, Any]]:
-    """Check each model's answer, then load it: small at c=1 and 32, medium at c=32."""
-    lines: list[dict[str, Any]] = []
-    for model in MODELS:
-        progress(f"{label} {model}: check, then load for {args.duration:g} s per point...")
-        check(client, bench, models, server.target, model, label)
-        concurrency = "1,32" if model == "small" else "32"
-        lines += run_load(client, bench, server.target, model, concurrency, (args.duration, args.warmup), label)
-    return lines
+def ours_on_cores(setup: Setup, cores: int) -> Starter:
+    """Our server with ``cores`` worker processes (``SLUICEGATE_SERVING__WORKERS``, where the server has it)."""
+    env = dict(os.environ)
+    if "workers" in ServingSettings.model_fields:
+        env[WORKERS_ENV] = str(cores)
+    return lambda pin, log: running_server(setup.repo, setup.work, pin, env=env, log_name=log)
 
 
-def ort_limit(server: list[str], bench: Path, models: Path, args: argparse.Namespace) -> list[dict[str, Any]]:
-    argv = [*server, sys.executable, str(bench / "ort_limit.py"), "--models-dir", str(models)]
+def run_job(job: Job, setup: Setup, repeat: int, args: argparse.Namespace) -> tuple[Lines, Path]:
+    """Start the server, check its loopback binding and answers, run its loads, stop it."""
+    server_pin = job.pins.server if job.pins else setup.server_cpu
+    log_name = f"{job.key}-{repeat}.log"
+    timing = (args.duration, args.warmup)
+    lines: Lines = []
+    with job.start(server_pin, log_name) as server:
+        lines.append(binding(server.pid, job.key))
+        for model, concurrency in job.loads:
+            progress(f"{job.key} {model}: check, then c={concurrency} for {args.duration:g} s per point...")
+            check(setup.client_cpu, setup.bench, setup.work / "models", server.target, model, job.key)
+            lines += run_load(setup.client_cpu, setup.bench, server.target, model, concurrency, timing, job.key)
+        if job.cores_point is not None:
+            lines.append(cores_point(job, setup, server, args))
+        log = server.log
+    return lines, log
+
+
+def cores_point(job: Job, setup: Setup, server: Server, args: argparse.Namespace) -> dict[str, Any]:
+    """The small model from several v2load processes, with each server process's CPU seconds over the load.
+
+    SO_REUSEPORT hashes each connection to one of our worker processes, so with 2 channels and 2 workers
+    both land on one worker half the time, and the point would measure one worker on two cores. When a
+    worker did next to nothing (``idle_workers``), the point is loaded again on fresh connections, up to
+    ``SPREAD_TRIES`` times in all; ``tries`` in the line says how many it took (the last one is kept)."""
+    pins = setup.core_pins[job.cores_point or 1]
+    key = job.key.split("@")[0]
+    label = f"{key}@{job.cores_point}"
+    channels, per_channel = client_plan(setup, args)
+    workers = job.cores_point if key == OURS and job.cores_point and job.cores_point > 1 else 1
+    if not job.loads:
+        check(pins.client, setup.bench, setup.work / "models", server.target, "small", label)
+    timing = (args.duration, args.warmup)
+    for tries in range(1, SPREAD_TRIES + 1):
+        progress(f"{label}: small, {channels} channels x c={per_channel} for {args.duration:g} s (try {tries})...")
+        before = group_cpu_s(server.pid)
+        line = run_channels(pins.client, setup.bench, server.target, "small", channels, per_channel, timing, label)
+        after = group_cpu_s(server.pid)
+        used = sorted((round(after[p] - before.get(p, 0.0), 2) for p in after), reverse=True)
+        line |= {"server_cpu_s_by_process": used, "tries": tries}
+        if not idle_workers(used, workers):
+            break
+    return line
+
+
+def idle_workers(used: list[float], workers: int) -> bool:
+    """Fewer than ``workers`` server processes did at least a quarter of the busiest one's work (the
+    supervisor of our workers does next to nothing and is not counted)."""
+    return bool(used) and sum(1 for cpu in used if cpu >= 0.25 * used[0]) < workers
+
+
+def client_plan(setup: Setup, args: argparse.Namespace) -> tuple[int, int]:
+    """v2load processes and requests in flight each, the same for every cores point and server of a run.
+
+    ``PER_CORE`` x the largest core count (at least 2) in flight, from 4 processes per core of the largest
+    point beyond 2 cores, else 4: 4 x 8 on a 2-core machine, 32 x 4 for 8 cores. SO_REUSEPORT hashes each connection
+    to one process: 2 connections miss one of 2 workers half the time (4 of 6 loads in the first runs),
+    4 connections an eighth of the time, and ``cores_point`` loads again when one is missed.
+    ``--channels`` overrides."""
+    most = max(setup.core_pins, default=1)
+    channels = args.channels or (4 if most <= 2 else 4 * most)
+    return channels, max(1, PER_CORE * max(2, most) // channels)
+
+
+def group_cpu_s(pgid: int) -> dict[int, float]:
+    found = {}
+    for pid in group_pids(pgid):
+        with contextlib.suppress(OSError):
+            found[pid] = process_cpu_s(pid)
+    return found
+
+
+def ort_limit(setup: Setup, args: argparse.Namespace) -> Lines:
+    argv = [
+        *setup.server_cpu,
+        sys.executable,
+        str(setup.bench / "ort_limit.py"),
+        "--models-dir",
+        str(setup.work / "models"),
+    ]
     argv += ["--model", "small,medium", "--batch", args.ort_batches]
     argv += ["--duration", str(args.duration), "--warmup", str(args.warmup)]
     return json_lines(argv, env={**os.environ, "PEERBENCH_ORT_THREADS": "1"})
 
 
-def server_row(lines: list[dict[str, Any]], label: str, title: str) -> Row:
-    points = [v2_point(lines, model, concurrency, label) for model, concurrency in POINTS]
-    return Row(title, *(Point(float(x["infer_per_s"]), float(x["p50_ms"])) for x in points))
+def measure_repeat(setup: Setup, repeat: int, args: argparse.Namespace) -> tuple[Lines, dict[str, Any]]:
+    """Every server of one repeat, the order reversed in odd repeats; the limit first or last."""
+    order: list[Job | None] = [None, *jobs(setup)]  # None: the in-process limit
+    if repeat % 2:
+        order.reverse()
+    lines: Lines = []
+    problems: dict[str, Any] = {}
+    for job in order:
+        if job is None:
+            progress("ORT limit (in process)...")
+            lines += ort_limit(setup, args)
+            continue
+        found, log = run_job(job, setup, repeat, args)
+        lines += found
+        problems[job.key] = log_problems(log)
+    return lines, problems
 
 
-def limit_row(lines: list[dict[str, Any]]) -> Row:
-    """Batch 1 for c=1 (its p50 is per ``session.run``), the best batch for the loaded points."""
-    ort = [x for x in lines if x["kind"] == "ort_limit"]
-
-    def best(model: str) -> Point:
-        top = max((x for x in ort if x["model"] == model), key=lambda x: float(x["infer_per_s"]))
-        return Point(float(top["infer_per_s"]), batch=int(top["batch"]))
-
-    (single,) = [x for x in ort if x["model"] == "small" and x["batch"] == 1]
-    return Row("ORT limit (this run)", Point(float(single["infer_per_s"]), float(single["p50_ms"])), *map(best, MODELS))
-
-
-def median_row(rows: list[Row]) -> Row:
-    """Median of each point over the repeats (run_peers.sh repeats and summarize.py does the same)."""
-
-    def median(field: str) -> Point:
-        points = sorted((getattr(row, field) for row in rows), key=lambda p: p.infer_per_s)
-        latencies = sorted(p.p50_ms for p in points if p.p50_ms is not None)
-        return Point(
-            statistics.median(p.infer_per_s for p in points),
-            statistics.median(latencies) if latencies else None,
-            points[len(points) // 2].batch,
-        )
-
-    return Row(rows[0].server, *(median(field) for field in FIELDS))
+def to_repeat(lines: Lines) -> Repeat:
+    repeat = Repeat()
+    labels = {x["label"] for x in lines if x["kind"] == "v2grpc"}
+    repeat.rows[LIMIT] = limit_row(lines)
+    for key in (OURS, REFERENCE, TRITON, KSERVE):
+        if key in labels:
+            repeat.rows[key] = server_row(lines, key)
+    if OFF in labels:
+        repeat.rows[OFF] = server_row(lines, OFF, ("small_c32", "medium_c32"))
+    for line in lines:
+        if line["kind"] == "v2grpc" and "@" in line["label"]:
+            if line["errors"]:
+                raise RuntimeError(f"{line['label']}: {line['errors']} errors: {line['first_error']}")
+            key, cores = line["label"].split("@")
+            repeat.cores.setdefault(key, {})[int(cores)] = Point(float(line["infer_per_s"]), float(line["p50_ms"]))
+    return repeat
 
 
-def spread(rows: list[Row]) -> dict[str, str]:
-    """min–max inferences/s of each point over the repeats."""
-    found = {}
-    for field in FIELDS:
-        rates = [getattr(row, field).infer_per_s for row in rows]
-        found[field] = f"{min(rates):,.1f}–{max(rates):,.1f}"
+def client_cpu(lines: Lines) -> dict[str, float]:
+    """The client's largest CPU share per load point (~0.8 and above: the client is the limit)."""
+    found: dict[str, float] = {}
+    for line in lines:
+        if line["kind"] == "v2grpc":
+            key = f"{line['label']} {line['model']} c={line['concurrency']}"
+            found[key] = max(found.get(key, 0.0), float(line["client_cpu_util"]))
     return found
 
 
-def to_reference(repeats: list[Repeat], field: str, latency: bool = False) -> float:
-    """Ours / the reference's, throughput (or p50), per repeat and then the median: the two were measured
-    minutes apart, so each repeat's pair shares that repeat's machine speed."""
-    ratios = []
-    for repeat in repeats:
-        mine, ref = getattr(repeat.ours, field), getattr(repeat.reference, field)
-        ratios.append((mine.p50_ms or 0.0) / (ref.p50_ms or 1.0) if latency else mine.infer_per_s / ref.infer_per_s)
-    return statistics.median(ratios)
-
-
-def scaled(row: Row, limit: Row) -> Row:
-    """An estimate of ``row``'s small points on the peers' machine: x (peer-table limit / this run's)."""
-    c1 = HARNESS_LIMIT.small_c1.infer_per_s / limit.small_c1.infer_per_s
-    c32 = HARNESS_LIMIT.small_c32.infer_per_s / limit.small_c32.infer_per_s
-    p50 = row.small_c1.p50_ms / c1 if row.small_c1.p50_ms is not None else None
-    return Row(
-        f"{row.server.replace(' (this run)', '')} scaled to the peers' machine (estimate)",
-        Point(row.small_c1.infer_per_s * c1, p50),
-        Point(row.small_c32.infer_per_s * c32),
-        Point(float("nan")),
-    )
-
-
-def cell(value: Point) -> str:
-    if value.infer_per_s != value.infer_per_s:  # NaN: not estimated
-        return "–"
-    rate = f"{value.infer_per_s:,.0f}" if value.infer_per_s >= 100 else f"{value.infer_per_s:.1f}"
-    if value.batch is not None:
-        return f"{rate} (batch {value.batch})"
-    return f"{rate} ({value.p50_ms:.2f})" if value.p50_ms is not None else rate
-
-
-def judged(name: str, kind: str, observed: float, threshold: float, fmt: str, at_most: bool = False) -> Target:
-    passed = observed <= threshold if at_most else observed >= threshold
-    return Target(name, kind, fmt.format(observed), ("<= " if at_most else ">= ") + fmt.format(threshold), passed)
-
-
-def targets(ours: Row, limit: Row, repeats: list[Repeat]) -> list[Target]:
-    """The issue's targets as it states them, and the same-run ones the VM's noise allows judging."""
-    share = ours.medium_c32.infer_per_s / limit.medium_c32.infer_per_s
-    issue, same = "issue (absolute)", "same run (relative)"
-    return [
-        judged("small c=1 p50", issue, ours.small_c1.p50_ms or 0.0, TARGET_SMALL_C1_P50_MS, "{:.2f} ms", at_most=True),
-        judged("small c=32", issue, ours.small_c32.infer_per_s, TARGET_SMALL_C32, "{:,.0f} infer/s"),
-        judged("medium c=32 / ORT limit", f"{issue}; {same}", share, TARGET_MEDIUM_SHARE, "{:.1%}"),
-        judged("small c=32 / reference", same, to_reference(repeats, "small_c32"), TARGET_REFERENCE_SHARE, "{:.1%}"),
-        judged(
-            "small c=1 p50 / reference",
-            same,
-            to_reference(repeats, "small_c1", latency=True),
-            TARGET_REFERENCE_P50,
-            "{:.2f}x",
-            at_most=True,
-        ),
-    ]
-
-
-def table_row(title: str, cells: list[str]) -> str:
-    return f"| {title} | " + " | ".join(cells) + " |"
-
-
-def markdown(ours: Row, reference: Row, limit: Row, repeats: list[Repeat], notes: dict[str, Any]) -> str:
-    """The peer table with our rows, the reference's and the limit's, ratios, estimates and targets."""
-    lines = [
-        "| server | small c=1 infer/s (p50 ms) | small c=32 infer/s (p50 ms) | medium c=32 infer/s (p50 ms) |",
-        "|---|---:|---:|---:|",
-    ]
-    for row in (*PEERS, HARNESS_LIMIT):
-        lines.append(table_row(f"{row.server} ({PEERS_MEASURED})", [cell(getattr(row, f)) for f in FIELDS]))
-    for row in (ours, reference, limit):
-        lines.append(table_row(f"**{row.server}**", [cell(getattr(row, f)) for f in FIELDS]))
-    to_peer, to_ref, to_limit = [], [], []
-    for field in FIELDS:
-        mine: Point = getattr(ours, field)
-        peer = max((getattr(row, field) for row in PEERS), key=lambda p: p.infer_per_s)
-        to_peer.append(f"{mine.infer_per_s / peer.infer_per_s:.2f}x")
-        to_ref.append(f"{to_reference(repeats, field):.1%}")
-        to_limit.append(f"{mine.infer_per_s / getattr(limit, field).infer_per_s:.1%}")
-    best_c1 = max(PEERS, key=lambda row: row.small_c1.infer_per_s).small_c1
-    if ours.small_c1.p50_ms is not None and best_c1.p50_ms is not None:
-        to_peer[0] += f" (p50 {ours.small_c1.p50_ms / best_c1.p50_ms:.2f}x)"
-    to_ref[0] += f" (p50 {to_reference(repeats, 'small_c1', latency=True):.2f}x)"
-    lines.append(table_row("sluicegate / best peer", to_peer))
-    lines.append(table_row("sluicegate / grpcio reference (same repeat, median)", to_ref))
-    lines.append(table_row("sluicegate / ORT limit (this run)", to_limit))
-    for row in (scaled(ours, limit), scaled(reference, limit)):
-        lines.append(table_row(f"*{row.server}*", [cell(getattr(row, f)) for f in FIELDS]))
-    lines += ["", "| target | kind | observed | threshold | verdict |", "|---|---|---:|---:|---|"]
-    for target in targets(ours, limit, repeats):
-        verdict = "PASS" if target.passed else "MISS"
-        lines.append(f"| {target.name} | {target.kind} | {target.observed} | {target.threshold} | {verdict} |")
-    lines += ["", *(f"- {key}: {value}" for key, value in notes.items())]
-    return "\n".join(lines)
-
-
-def measure_once(
-    bench: Path, work: Path, repo: Path, pins: tuple[list[str], list[str]], repeat: int, args: argparse.Namespace
-) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """One repeat: the in-process limit on the server's core, then ours and the reference (fresh processes,
-    ours first in even repeats, so neither always gets the warmer or the cooler minutes)."""
-    server_cpu, client_cpu = pins
-    progress("ORT limit (in process)...")
-    limit_lines = ort_limit(server_cpu, bench, work / "models", args)
-    lines: list[dict[str, Any]] = []
-    for label in (OURS, REFERENCE) if repeat % 2 == 0 else (REFERENCE, OURS):
-        if label == OURS:
-            with running_server(repo, work, server_cpu) as server:
-                lines += load_server(client_cpu, bench, work / "models", server, label, args)
-        else:
-            models = model_files(work)
-            with running_reference(models, work, server_cpu, max_batch=REFERENCE_MAX_BATCH) as server:
-                lines += load_server(client_cpu, bench, work / "models", server, label, args)
-    return lines, limit_lines
-
-
-def by_point(lines: list[dict[str, Any]]) -> dict[str, Any]:
-    """Every run's ORT limit per batch, and the client's largest CPU share per load point."""
-    limit: dict[str, list[float]] = {}
-    client: dict[str, float] = {}
-    for line in lines:
-        if line["kind"] == "ort_limit":
-            limit.setdefault(f"{line['model']} b{line['batch']}", []).append(line["infer_per_s"])
-        elif line["kind"] == "v2grpc":
-            key = f"{line['label']} {line['model']} c={line['concurrency']}"
-            client[key] = max(client.get(key, 0.0), line["client_cpu_util"])
-    return {"ORT limit by batch (infer/s)": limit, "client_cpu_util (max; ~0.8+: client-bound)": client}
-
-
-def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--duration", type=float, help="seconds per point (12 like the peers; --quick: 4)")
-    parser.add_argument("--warmup", type=float, help="seconds of warm-up per point (3; --quick: 1)")
-    parser.add_argument(
-        "--repeats", type=int, help="whole runs, the table shows medians (2 like the peers; --quick: 1)"
-    )
-    parser.add_argument("--quick", action="store_true", help="shorter defaults for a smoke run")
-    parser.add_argument("--bench-dir", type=Path, default=default_bench_dir(), help="the shared harness")
-    parser.add_argument("--small-max-batch", type=int, default=DEFAULT_MAX_BATCH["small"])
-    parser.add_argument("--medium-max-batch", type=int, default=DEFAULT_MAX_BATCH["medium"])
-    parser.add_argument("--ort-batches", default="1,8,32", help="batch sizes of the in-process limit")
-    parser.add_argument("--out", type=Path, default=Path("bench-results/serving_throughput.json"))
-    quick = {"duration": 4.0, "warmup": 1.0, "repeats": 1}
-    return fill_defaults(parser.parse_args(), quick, {"duration": 12.0, "warmup": 3.0, "repeats": 2})
-
-
-Lines = list[dict[str, Any]]
-
-
-def run_repeats(
-    bench: Path, max_batch: dict[str, int], pins: tuple[list[str], list[str]], args: argparse.Namespace
-) -> tuple[list[tuple[Lines, Lines]], dict[str, list[Any]]]:
-    """Every repeat in a scratch folder (removed after): each repeat's (server lines, limit lines), and the
-    warnings and errors of each server's log per repeat."""
-    work = Path(tempfile.mkdtemp(prefix="sluicegate-bench-serving-"))
-    runs = []
-    problems: dict[str, list[Any]] = {}
-    try:
-        repo = build_repository(bench, work, max_batch)
-        for repeat in range(args.repeats):
-            progress(f"repeat {repeat + 1}/{args.repeats}")
-            runs.append(measure_once(bench, work, repo, pins, repeat, args))
-            for label, log in ((OURS, work / "server.log"), (REFERENCE, work / "reference.log")):
-                problems.setdefault(label, []).append(log_problems(log))
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-    return runs, problems
+def cores_notes(setup: Setup, args: argparse.Namespace) -> tuple[str, dict[int, str]]:
+    """The cores table's client, and a mark on each core count whose server shares a core with the client."""
+    pins = setup.core_pins
+    client = next(iter(pins.values())).client_cpus if pins else "-"
+    channels, per_channel = client_plan(setup, args)
+    header = f"small, {channels} v2load processes x c={per_channel} on core(s) {client}; infer/s (median p50)"
+    marks = {n: f" (cores {p.server_cpus}: shares core {client} with the client)" for n, p in pins.items() if p.shared}
+    marks |= {n: f" (cores {p.server_cpus})" for n, p in pins.items() if not p.shared}
+    return header, marks
 
 
 def run_notes(
-    args: argparse.Namespace,
-    pin_note: str,
-    busy: float,
-    max_batch: dict[str, int],
-    repeats: list[Repeat],
-    every: Lines,
-    problems: dict[str, list[Any]],
+    setup: Setup, args: argparse.Namespace, pin_note: str, busy: float, every: Lines, problems: Any
 ) -> dict[str, Any]:
-    """How the run went: durations, pinning, revision, noise, caps, spread, and the servers' logs."""
+    """How the run went: durations, pinning, revision, noise, settings, versions, and the servers' logs."""
+    workers = "workers" in ServingSettings.model_fields
     notes: dict[str, Any] = {
-        "durations": f"{args.duration:g} s per point after {args.warmup:g} s warm-up; median of {args.repeats} run(s)",
+        "durations": f"{args.duration:g} s per point after {args.warmup:g} s warm-up; median of "
+        f"{args.repeats} repeat(s); server order reversed every other repeat",
         "pinning": pin_note,
         "server code": revision(),
         "other processes' CPU during the run": f"{busy:.2f} cores on average",
-        "max_batch_size": {**max_batch, "grpcio reference": REFERENCE_MAX_BATCH},
-        "spread over runs (infer/s)": {
-            "sluicegate": spread([r.ours for r in repeats]),
-            "grpcio reference": spread([r.reference for r in repeats]),
-            "ORT limit": spread([r.limit for r in repeats]),
+        "max_batch_size": {
+            "ours": {"small": args.small_max_batch, "medium": args.medium_max_batch},
+            "grpcio reference": REFERENCE_MAX_BATCH,
+            "Triton": f"{peers.TRITON_MAX_BATCH} rows, max queue delay {peers.TRITON_MAX_DELAY_US} us",
+            "KServe": "no batching",
         },
-        **by_point(every),
-        "scaled rows": "estimate: this run's small points x (peer-table ORT limit / this run's, batch 1 for c=1, "
-        "best batch for c=32), p50 divided by the same factor; assumes everything speeds up like ORT. Not a verdict",
+        "peers": str(setup.peer_root) if setup.peer_root else "not measured (--no-peers)",
+        "cores points": f"ours with {WORKERS_ENV}=N"
+        if workers
+        else f"ours: this server has no {WORKERS_ENV} yet, so one process on N cores",
+        "cores points per repeat: loads it took, CPU s of each server process over the kept load": {
+            label: [
+                (x["tries"], x["server_cpu_s_by_process"])
+                for x in every
+                if x["kind"] == "v2grpc" and x["label"] == label
+            ]
+            for label in sorted({x["label"] for x in every if x["kind"] == "v2grpc" and "@" in x["label"]})
+        },
+        "client_cpu_util (max; ~0.8+: client-bound)": client_cpu(every),
         "server log warnings and errors, per repeat (count, first lines)": problems,
         "server env": {
             **{k: v for k, v in os.environ.items() if k.startswith("SLUICEGATE_SERVING__")},
             "SLUICEGATE_SERVING__ORT_THREADS": "1",
         },
     }
+    if setup.peer_root is not None:
+        notes["peer versions"] = peers.versions(setup.peer_root)
     if busy > NOISE_CORES:
         notes["WARNING"] = f"other processes used {busy:.2f} cores during the run: rerun on a quiet machine"
     return notes
+
+
+def markdown(repeats: list[Repeat], setup: Setup, args: argparse.Namespace, notes: dict[str, Any]) -> str:
+    header, marks = cores_notes(setup, args)
+    lines = [*main_table(repeats, TITLES), "", *cores_table(repeats, TITLES, header, marks), ""]
+    lines += [*targets_table(targets(repeats)), ""]
+    lines += [f"- {key}: {value}" for key, value in notes.items()]
+    return "\n".join(lines)
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--duration", type=float, help="seconds per point (12 like the peers; --quick: 4)")
+    parser.add_argument("--warmup", type=float, help="seconds of warm-up per point (3; --quick: 1)")
+    parser.add_argument("--repeats", type=int, help="whole runs, the table shows medians (2; --quick: 1)")
+    parser.add_argument("--quick", action="store_true", help="shorter defaults for a smoke run (~3 min)")
+    parser.add_argument("--bench-dir", type=Path, default=default_bench_dir(), help="the shared harness")
+    parser.add_argument(
+        "--peer-root",
+        type=Path,
+        default=peers.default_root(os.environ),
+        help="the peers' venvs and models, set up there by setup_venvs.sh when missing "
+        f"(default: ${peers.ROOT_ENV[0]}, else ${peers.ROOT_ENV[1]}, else {peers.DEFAULT_ROOT})",
+    )
+    parser.add_argument("--no-peers", action="store_true", help="skip Triton and KServe (no setup either)")
+    parser.add_argument(
+        "--channels",
+        type=int,
+        help=f"v2load processes of the cores points (default: 4, and 4 per core of the largest point beyond 2; "
+        f"{PER_CORE} in flight per core of the largest point, at least 2, over all)",
+    )
+    parser.add_argument(
+        "--cores",
+        default=",".join(map(str, CORE_COUNTS)),
+        help="server cores of the cores points (those the machine has)",
+    )
+    parser.add_argument("--small-max-batch", type=int, default=DEFAULT_MAX_BATCH["small"])
+    parser.add_argument("--medium-max-batch", type=int, default=DEFAULT_MAX_BATCH["medium"])
+    parser.add_argument("--ort-batches", default="1,8,32", help="batch sizes of the in-process limit")
+    parser.add_argument("--out", type=Path, help="write the summary JSON here")
+    parser.add_argument("--raw", type=Path, default=Path("bench-results/serving_throughput.json"))
+    quick = {"duration": 4.0, "warmup": 1.0, "repeats": 1}
+    return fill_defaults(parser.parse_args(), quick, {"duration": 12.0, "warmup": 3.0, "repeats": 2})
+
+
+@contextlib.contextmanager
+def scratch(bench: Path, args: argparse.Namespace) -> Iterator[tuple[Path, Path]]:
+    """A scratch folder with the models and our repository, removed after."""
+    work = Path(tempfile.mkdtemp(prefix="sluicegate-bench-serving-"))
+    try:
+        max_batch = {"small": args.small_max_batch, "medium": args.medium_max_batch}
+        yield work, build_repository(bench, work, max_batch)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
 
 
 def main() -> None:
     args = parse_args()
     bench: Path = args.bench_dir
     require_harness(bench)
-    server_cpu, client_cpu, pin_note = pinning()
+    peer_root = None if args.no_peers else args.peer_root
+    if peer_root is not None:
+        peers.ensure_peers(bench, peer_root)
+    server_cpu, client, pin_note = pinning()
     progress(f"pinning: {pin_note}")
+    held = len(os.sched_getaffinity(0))
+    counts = [n for n in (int(c) for c in args.cores.split(",") if c) if n <= held]  # 8: only where it fits
+    pins = {n: p for n in counts if (p := core_pins(n, max(counts))) is not None}
     started = cpu_seconds()
-    max_batch = {"small": args.small_max_batch, "medium": args.medium_max_batch}
-    runs, problems = run_repeats(bench, max_batch, (server_cpu, client_cpu), args)
-    repeats = [
-        Repeat(
-            server_row(lines, OURS, "sluicegate (this run)"),
-            server_row(lines, REFERENCE, "grpcio reference (this run)"),
-            limit_row(limit_lines),
-        )
-        for lines, limit_lines in runs
-    ]
-    ours, reference, limit = (
-        median_row([getattr(r, name) for r in repeats]) for name in ("ours", "reference", "limit")
-    )
-    every = [line for lines, limit_lines in runs for line in lines + limit_lines]
-    notes = run_notes(args, pin_note, others_cores(started), max_batch, repeats, every, problems)
-    print(markdown(ours, reference, limit, repeats, notes))
-    report = {
-        "ours": asdict(ours),
-        "reference": asdict(reference),
-        "limit": asdict(limit),
-        "scaled": [asdict(scaled(row, limit)) for row in (ours, reference)],
-        "targets": [asdict(t) for t in targets(ours, limit, repeats)],
-    }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({**report, **notes, "lines": every}, indent=2))
-    print(f"\nraw result lines: {args.out}")
+    runs, problems = [], []
+    with scratch(bench, args) as (work, repo):
+        setup = Setup(bench, work, repo, server_cpu, client, pins, peer_root)
+        for repeat in range(args.repeats):
+            progress(f"repeat {repeat + 1}/{args.repeats}")
+            lines, found = measure_repeat(setup, repeat, args)
+            runs.append(lines)
+            problems.append(found)
+    repeats = [to_repeat(lines) for lines in runs]
+    every = [line for lines in runs for line in lines]
+    notes = run_notes(setup, args, pin_note, others_cores(started), every, problems)
+    print(markdown(repeats, setup, args, notes))
+    report = summary(repeats)
+    raw = {**report, "targets": [asdict(t) for t in targets(repeats)], "repeats": [asdict(r) for r in repeats], **notes}
+    args.raw.parent.mkdir(parents=True, exist_ok=True)
+    args.raw.write_text(json.dumps({**raw, "lines": every}, indent=2))
+    print(f"\nraw result lines: {args.raw}")
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(report, indent=2))
+        print(f"summary: {args.out}")
 
 
 if __name__ == "__main__":

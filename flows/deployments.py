@@ -77,18 +77,24 @@ def runner_deployments(settings: Settings, path: Path = PREFECT_YAML) -> list[Ru
 
 
 def serve(settings: Settings) -> None:
-    """Serve every deployment until interrupted."""
+    """Serve every deployment until interrupted, starting runs warm unless ``prefect.runner_warm`` is off."""
+    deployments = runner_deployments(settings)
+    p = settings.prefect
+    if p.runner_warm:
+        from flows.warm_runner import serve_warm
+
+        serve_warm(deployments, poll_seconds=p.runner_poll_seconds, limit=p.runner_limit, preload=p.runner_preload)
+        return
     import prefect
 
-    prefect.serve(*runner_deployments(settings), print_starting_message=False)
+    prefect.serve(*deployments, print_starting_message=False, query_seconds=p.runner_poll_seconds, limit=p.runner_limit)
 
 
 def main() -> None:
     """``python -m flows.deployments``: the embedded stack's runner process.
 
-    Its own small main module rather than the CLI: the runner spawns each flow run with
-    multiprocessing's spawn method, which re-imports the parent's main module in every child,
-    and the CLI's imports (typer, rich) would be paid again by every run before it starts.
+    Its own small main module rather than the CLI: the warm runner's forkserver imports the parent's
+    main module once more, and the CLI's imports (typer, rich) would be paid again for nothing.
     """
     import logging
 

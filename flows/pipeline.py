@@ -34,6 +34,9 @@ if TYPE_CHECKING:
     from sluicegate.metadata.runs import RunStart
 
 
+BODY_STARTED = "pipeline body started on"
+
+
 @dataclass(frozen=True)
 class PipelineResult:
     pipeline_run_id: int
@@ -325,6 +328,9 @@ def pipeline(
         event_id: id of the Prefect event that triggered this run (empty for manual runs).
         trigger: "event", "schedule" or "manual".
     """
+    # The body's first line: the log record's time is when the run's own code started (an operator's
+    # "how long did this run wait", and the end of benchmarks/event_latency.py's PUT -> flow body).
+    get_run_logger().info("%s s3://%s/%s", BODY_STARTED, bucket, key)
     from sluicegate.metadata import MetadataStore
 
     settings = Settings()

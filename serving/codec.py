@@ -136,6 +136,13 @@ def decode_raw(name: str, datatype: str, shape: tuple[int, ...], count: int, buf
 
 def _bytes_from_raw(name: str, shape: tuple[int, ...], count: int, buffer: bytes) -> Array:
     items, offset, size = [], 0, len(buffer)
+    # Checked from the shape before walking: every element costs a Python object, and a count the buffer
+    # cannot hold (4 length bytes each at least) would build most of them before failing at the end.
+    if count * _LENGTH.size > size:
+        raise InvalidInput(
+            f"input {name!r}: raw BYTES contents are {size} bytes, too few for the {count} elements of shape "
+            f"{list(shape)}; expected each element as a 4-byte little-endian length followed by its bytes"
+        )
     for index in range(count):
         if offset + _LENGTH.size > size:
             raise InvalidInput(

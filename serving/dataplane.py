@@ -15,9 +15,10 @@ from typing import Any
 import numpy as np
 
 from serving.batching import BatcherStats, DynamicBatcher, Signature, signature
-from serving.errors import InvalidInput, ModelNotFound, ModelNotReady
+from serving.errors import InvalidInput, ModelNotFound, ModelNotReady, RepositoryError, ServingError
 from serving.model_format import ModelConfig
 from serving.preprocessing import input_channels
+from serving.redact import mask_text, mask_url, masked_traceback
 from serving.settings import ServingSettings
 from serving.traffic import TrafficSplitter
 from serving.types import (
@@ -105,20 +106,79 @@ class DataPlane:
         self._states: dict[tuple[str, str], RepositoryEntry] = {}
         self._expected: set[tuple[str, str]] = set()
         self.traffic = TrafficSplitter()
-        self.stopping = False  # set on shutdown: readiness drops before the ports close
+        self._stopping = False
+        self._listeners: list[Callable[[bool], None]] = []
+        # Held while readiness is computed and delivered, so concurrent changes reach the listeners in
+        # order and the last value they saw is the current one.
+        self._publish_lock = threading.Lock()
+
+    # -- readiness -------------------------------------------------------------------------------
+
+    @property
+    def stopping(self) -> bool:
+        """Set on shutdown: readiness drops (and is published) while the ports still serve."""
+        return self._stopping
+
+    @stopping.setter
+    def stopping(self, value: bool) -> None:
+        self._stopping = value
+        self.publish_readiness()
+
+    def on_readiness(self, callback: Callable[[bool], None]) -> None:
+        """Call ``callback(ready)`` now and after every change that may move ``ready()`` (load, unload,
+        runtime fallback, shutdown): the gRPC health service and the ready gauge hang here, so they never
+        disagree with ServerReady and /health/ready, which ask ``ready()`` directly."""
+        with self._publish_lock:
+            self._listeners.append(callback)
+            callback(self.ready())
+
+    def publish_readiness(self) -> None:
+        with self._publish_lock:
+            ready = self.ready()
+            for callback in self._listeners:
+                try:
+                    callback(ready)
+                except Exception:  # one broken view must not stop a load or the others
+                    log.exception("readiness listener %r failed", callback)
 
     # -- lifecycle -------------------------------------------------------------------------------
 
     def load_all(self) -> None:
         """Load and warm every version found in the repository; readiness waits for all of them."""
-        found, rejected = self._scan()
-        for where, reason in rejected:
-            log.error("not loading %s: %s", where, reason)
-            model, _, version = where.rpartition("/")
-            self._states[(model or where, version)] = RepositoryEntry(model or where, version, "UNAVAILABLE", reason)
-        self._expected = {(name, version) for name, version, _, _ in found}
-        for name, version, path, config in found:
-            self._load_version(name, version, path, config)
+        try:
+            found, rejected = self._scan_masked()
+            for where, reason in rejected:
+                self._reject(where, reason)
+            self._expected = {(name, version) for name, version, _, _ in found}
+            for name, version, path, config in found:
+                self._load_version(name, version, path, config)
+        finally:
+            self.publish_readiness()
+
+    def _scan_masked(self) -> tuple[list[tuple[str, str, Path, ModelConfig]], list[tuple[str, str]]]:
+        """The repository scan; a failure is recorded in the index under the source's name (version "")
+        and re-raised, its message masked: it goes to the log, RepositoryIndex and RepositoryModelLoad's
+        caller, and a tracking-server or S3 URL in it may carry a password."""
+        source = mask_url(self.settings.repository)
+        try:
+            scanned = self._scan()
+        except Exception as exc:
+            masked = mask_text(str(exc))
+            if not isinstance(exc, ServingError):  # a bug, not a bad source: keep its traceback, masked
+                log.error("scanning the repository %s failed:\n%s", source, masked_traceback(exc))
+                masked = f"scanning the repository {source} failed: {type(exc).__name__}: {masked}"
+            self._states[(source, "")] = RepositoryEntry(source, "", "UNAVAILABLE", masked)
+            error = type(exc) if isinstance(exc, ServingError) else RepositoryError
+            # Not chained: the cause's message (an httpx or botocore error) may hold the URL in clear.
+            raise error(masked) from None
+        self._states.pop((source, ""), None)
+        return scanned
+
+    def _reject(self, where: str, reason: str) -> None:
+        reason = mask_text(reason)  # shown by RepositoryIndex: a source URL in it may carry a password
+        log.error("not loading %s: %s", where, reason)
+        model, _, version = where.rpartition("/")
+        self._states[(model or where, version)] = RepositoryEntry(model or where, version, "UNAVAILABLE", reason)
 
     def _load_version(self, name: str, version: str, path: Path, config: ModelConfig) -> None:
         from serving.runtimes import LoadOptions, load_runtime
@@ -126,9 +186,10 @@ class DataPlane:
         self._states[(name, version)] = RepositoryEntry(name, version, "LOADING")
 
         def changed(level: str, index: int, reason: str) -> None:
-            log.warning("%s/%s now runs on %s (level %d): %s", name, version, level, index, reason)
+            log.warning("%s/%s now runs on %s (level %d): %s", name, version, level, index, mask_text(reason))
             if self._on_fallback is not None:
                 self._on_fallback(name, version, level, index, reason)
+            self.publish_readiness()
 
         metrics = self.telemetry.metrics if self.telemetry is not None else self._metrics
 
@@ -151,8 +212,10 @@ class DataPlane:
                 options=options,
             )
         except Exception as exc:
-            log.error("%s/%s failed to load on every runtime: %s", name, version, exc)
-            self._states[(name, version)] = RepositoryEntry(name, version, "UNAVAILABLE", str(exc))
+            reason = mask_text(str(exc))
+            log.error("%s/%s failed to load on every runtime: %s", name, version, reason)
+            self._states[(name, version)] = RepositoryEntry(name, version, "UNAVAILABLE", reason)
+            self.publish_readiness()
             return
         batching = config.to_dict()["batching"]
         delay = self.settings.max_queue_delay_us
@@ -175,6 +238,9 @@ class DataPlane:
         with self._lock:
             self._models.setdefault(name, {})[version] = loaded
             self._states[(name, version)] = RepositoryEntry(name, version, "READY")
+        if metrics is not None:
+            metrics.loaded(name, version)  # request metrics label loaded versions only
+        self.publish_readiness()
 
     def _monitors(self, name: str, version: str, config: ModelConfig) -> Any:
         """Drift (when config.json has a training baseline and the model an image input) and
@@ -238,10 +304,10 @@ class DataPlane:
 
         Versions already loaded stay as they are; versions gone from the repository are unloaded.
         """
-        found, _ = self._scan()
+        found, _ = self._scan_masked()
         wanted = {version: (path, config) for model, version, path, config in found if model == name}
         if not wanted:
-            raise ModelNotFound(f"model {name!r} is not in the repository {self.settings.repository!r}")
+            raise ModelNotFound(f"model {name!r} is not in the repository {mask_url(self.settings.repository)!r}")
         with self._lock:
             present = set(self._models.get(name, {}))
         for version, (path, config) in wanted.items():
@@ -268,6 +334,8 @@ class DataPlane:
             self.traffic.forget(name, version)
             self._expected.discard((name, version))
             self._states[(name, version)] = RepositoryEntry(name, version, "UNLOADING")
+        # Before the drain below: readiness must drop as soon as the version stops taking requests.
+        self.publish_readiness()
         if loaded is None:
             return
         loaded.batcher.stop(timeout=self.settings.drain_timeout_s)

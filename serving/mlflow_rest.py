@@ -14,6 +14,7 @@ from typing import Any
 import httpx
 
 from serving.errors import RepositoryError
+from serving.redact import mask_text, mask_url
 
 ARTIFACT_PATH = "model"  # where the pipeline logs a version folder in its MLflow run (tasks.registry)
 _TIMEOUT = httpx.Timeout(30.0, connect=5.0)
@@ -26,6 +27,8 @@ class MlflowRest:
     def __init__(self, tracking_uri: str, source: str) -> None:
         """``source`` (the ``models:/`` string) only names the request in error messages."""
         self.tracking_uri = tracking_uri
+        # What messages show: the URI may carry user:password (basic auth to the tracking server).
+        self.shown_uri = mask_url(tracking_uri)
         self.source = source
         self._http = httpx.Client(base_url=tracking_uri, timeout=_TIMEOUT)
 
@@ -39,7 +42,8 @@ class MlflowRest:
             response = self._http.get(path, params=params)
         except httpx.TransportError as exc:
             raise RepositoryError(
-                f"{self.source}: MLflow tracking server {self.tracking_uri} is unreachable ({exc}): start it or "
+                f"{self.source}: MLflow tracking server {self.shown_uri} is unreachable ({mask_text(str(exc))}): "
+                "start it or "
                 "fix mlflow_tracking_uri"
             ) from exc
         if response.status_code == 404 or _error_code(response) in ("RESOURCE_DOES_NOT_EXIST", *missing_codes):
@@ -47,7 +51,7 @@ class MlflowRest:
         if response.is_error:
             raise RepositoryError(
                 f"{self.source}: MLflow {path} answered {response.status_code} ({_error_message(response)}): "
-                f"check the tracking server at {self.tracking_uri}"
+                f"check the tracking server at {self.shown_uri}"
             )
         body: dict[str, Any] = response.json()
         return body
@@ -128,7 +132,8 @@ class MlflowRest:
                         handle.write(chunk)
         except httpx.TransportError as exc:
             raise RepositoryError(
-                f"{self.source}: downloading {path} from {self.tracking_uri} failed ({exc}): retry, or check "
+                f"{self.source}: downloading {path} from {self.shown_uri} failed ({mask_text(str(exc))}): retry, "
+                "or check "
                 "the tracking server"
             ) from exc
         partial.replace(destination)
@@ -142,8 +147,9 @@ def _error_code(response: httpx.Response) -> str:
 
 
 def _error_message(response: httpx.Response) -> str:
+    """The server's error text, masked: a proxy or the tracking server may echo the URL it was asked."""
     try:
         body = response.json()
     except ValueError:
-        return response.text[:200] or response.reason_phrase
-    return str(body.get("message") or body.get("error_code") or body)[:300]
+        return mask_text(response.text[:200] or response.reason_phrase)
+    return mask_text(str(body.get("message") or body.get("error_code") or body)[:300])

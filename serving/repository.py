@@ -11,6 +11,8 @@ MLflow is reached through its REST API (``serving/mlflow_rest.py``), not the ``m
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import logging
 import os
 import shutil
@@ -24,6 +26,7 @@ from typing import TYPE_CHECKING, NamedTuple
 from serving.errors import RepositoryError
 from serving.mlflow_rest import MlflowRest
 from serving.model_format import CONFIG, SUMS, ModelConfig, read_config, verify_version
+from serving.redact import mask_text, mask_url
 
 if TYPE_CHECKING:
     from mypy_boto3_s3 import S3Client
@@ -31,6 +34,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 S3_SCHEME = "s3://"
+CACHE_LOCK = ".lock"  # in cache_dir; never pruned (a new file would be a second, unshared lock)
 MODELS_SCHEME = "models:/"
 
 
@@ -89,9 +93,11 @@ class ModelRepository:
                 names the source and the fix.
         """
         if self.source.startswith(S3_SCHEME):
-            root = self._from_s3()
+            with _cache_lock(self.cache_dir):
+                root = self._from_s3()
         elif self.source.startswith(MODELS_SCHEME):
-            root = self._from_mlflow()
+            with _cache_lock(self.cache_dir):
+                root = self._from_mlflow()
         else:
             root = self._from_directory()
         self._root = root
@@ -111,8 +117,9 @@ class ModelRepository:
                 config = verify_version(folder)
             except (RepositoryError, OSError, ValueError) as exc:
                 # OSError/ValueError: unreadable or undecodable files; reported like any other damage.
-                log.error("rejected model version %s from %s: %s", where, self.source, exc)
-                rejected.append(RejectedVersion(where, str(exc)))
+                reason = mask_text(str(exc))
+                log.error("rejected model version %s from %s: %s", where, mask_url(self.source), reason)
+                rejected.append(RejectedVersion(where, reason))
                 continue
             loaded.append(LocalVersion(config.name, config.version, folder, config))
         self.rejected = rejected
@@ -158,9 +165,11 @@ class ModelRepository:
             for relative, (size, modified) in sorted(objects.items()):
                 _download_object(client, bucket, prefix + relative, root / relative, size, modified)
         except (BotoCoreError, ClientError) as exc:
+            # botocore's messages name the endpoint and, for a pre-signed URL, its signature.
+            endpoint = mask_url(self.s3_endpoint_url) if self.s3_endpoint_url else "AWS default"
             raise RepositoryError(
                 f"model repository {self.source!r} could not be read from S3 "
-                f"(endpoint {self.s3_endpoint_url or 'AWS default'}): {exc}; check the bucket, the credentials "
+                f"(endpoint {endpoint}): {mask_text(str(exc))}; check the bucket, the credentials "
                 "(AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or a profile) and the endpoint setting"
             ) from exc
         _prune(root, set(objects))
@@ -231,6 +240,19 @@ class ModelRepository:
                 shutil.rmtree(staging)
 
 
+@contextlib.contextmanager
+def _cache_lock(cache_dir: Path) -> Iterator[None]:
+    """One copy into ``cache_dir`` at a time: the worker processes of one server share it, and one's
+    pruning would delete another's files mid-download."""
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    with (cache_dir / CACHE_LOCK).open("a+b") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)  # released by the kernel if this process dies holding it
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 def _cached_copy_is_whole(target: Path, staging: Path) -> bool:
     """Whether ``target`` already holds the version whose sums are in ``staging`` (no need to download)."""
     if not (target / SUMS).is_file() or not (staging / SUMS).is_file():
@@ -281,6 +303,8 @@ def _prune(root: Path, keep: set[str]) -> None:
     """Remove cached files the source no longer holds, so a version deleted upstream is not served."""
     for path in sorted(root.rglob("*"), reverse=True):  # children before their folders
         relative = path.relative_to(root).as_posix()
+        if relative == CACHE_LOCK:
+            continue
         if path.is_dir():
             if not any(path.iterdir()):
                 path.rmdir()

@@ -12,7 +12,13 @@ import random
 import threading
 from collections.abc import Collection, Mapping, Sequence
 
-from serving.errors import InvalidInput, ModelNotFound, ModelNotReady
+from serving.errors import InvalidInput, ModelNotFound, ModelNotReady, clip
+
+# Largest weight of one version: enough for percent, per-mille or per-million shares, while the sum of
+# every weight stays an ordinary float for random.choices (10**400 made every unversioned request fail).
+MAX_WEIGHT = 1_000_000
+# Most entries one update may name; far above any model's loaded versions, so only a hostile body hits it.
+MAX_ENTRIES = 1000
 
 
 class TrafficSplitter:
@@ -32,7 +38,7 @@ class TrafficSplitter:
 
         Args:
             model: The model name.
-            weights: Version to a non-negative integer weight; the weights must sum to more than 0.
+            weights: Version to an integer weight in 0..``MAX_WEIGHT``; the weights must sum to more than 0.
             loaded: The versions loaded now; every version named in ``weights`` must be one of them.
 
         Returns:
@@ -40,22 +46,33 @@ class TrafficSplitter:
 
         Raises:
             ModelNotFound: A named version is not loaded (the message lists the loaded ones).
-            InvalidInput: A weight is not a non-negative integer, or all weights are 0.
+            InvalidInput: More than ``MAX_ENTRIES`` entries, a version that is not a string, a weight that is
+                not an integer in 0..``MAX_WEIGHT``, or all weights 0.
         """
+        # Every transport's values come through here (gRPC's uint32, JSON's unbounded integers), so this is
+        # the check they all rely on. The count first: nothing below walks an unbounded mapping.
+        if len(weights) > MAX_ENTRIES:
+            raise InvalidInput(
+                f"model {clip(model)!r}: {len(weights)} traffic weights; expected at most {MAX_ENTRIES}, one per "
+                "loaded version"
+            )
         for version, weight in weights.items():
+            if not isinstance(version, str):
+                raise InvalidInput(f"model {clip(model)!r}: version {clip(repr(version))} is not a string")
+            # bool is an int subclass, and True as a weight is almost certainly a mistake.
+            if not isinstance(weight, int) or isinstance(weight, bool) or not 0 <= weight <= MAX_WEIGHT:
+                raise InvalidInput(
+                    f"model {clip(model)!r}: weight of version {clip(version)!r} is {_shown(weight)}; use a "
+                    f"non-negative integer up to {MAX_WEIGHT}"
+                )
             if version not in loaded:
                 raise ModelNotFound(
-                    f"model {model!r}: version {version!r} in the traffic weights is not loaded;"
+                    f"model {clip(model)!r}: version {clip(version)!r} in the traffic weights is not loaded;"
                     f" loaded versions: {sorted(loaded)}"
-                )
-            # bool is an int subclass, and True as a weight is almost certainly a mistake.
-            if not isinstance(weight, int) or isinstance(weight, bool) or weight < 0:
-                raise InvalidInput(
-                    f"model {model!r}: weight of version {version!r} is {weight!r}; use a non-negative integer"
                 )
         if sum(weights.values()) <= 0:
             raise InvalidInput(
-                f"model {model!r}: traffic weights {dict(weights)} sum to 0; give a version a positive weight"
+                f"model {clip(model)!r}: traffic weights {dict(weights)} sum to 0; give a version a positive weight"
             )
         table = {version: weights.get(version, 0) for version in loaded}
         with self._lock:
@@ -118,3 +135,10 @@ class TrafficSplitter:
             # Renormalised over what is loaded now: a weighted version being unloaded shifts its
             # share to the others instead of failing requests.
             return self._random.choices(candidates, weights=[table[version] for version in candidates])[0]
+
+
+def _shown(weight: object) -> str:
+    """A refused weight for the message: a huge integer by its size (repr of one past 4300 digits raises)."""
+    if isinstance(weight, int) and not -(10**18) < weight < 10**18:
+        return f"an integer of {weight.bit_length()} bits"
+    return clip(repr(weight))

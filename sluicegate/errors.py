@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+from serving.redact import mask_text
+
 
 class SluicegateError(Exception):
-    """Root of every error the platform raises on purpose."""
+    """Root of every error the platform raises on purpose. Its message is masked (URL passwords, secret
+    query values) when it is made: errors end up in logs, Prefect state messages and CLI output."""
+
+    def __init__(self, *args: object) -> None:
+        super().__init__(*(mask_text(arg) if isinstance(arg, str) else arg for arg in args))
 
 
 class ConfigError(SluicegateError):

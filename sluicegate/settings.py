@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 LOOPBACK = "127.0.0.1"
@@ -97,9 +97,25 @@ class PrefectSettings(Group):
         None, description="Basic-auth 'user:password' of a self-hosted Prefect server, if it has one."
     )
     ui: bool = Field(True, description="Serve the Prefect UI from the embedded server.")
-    runner_poll_seconds: int = Field(
-        1, ge=1, description="How often (whole seconds) the embedded runner polls for runs to start."
+    runner_poll_seconds: float = Field(
+        5.0,
+        gt=0,
+        description="How often (seconds) the embedded runner asks the API for runs to start. Triggered "
+        "runs start on the server's flow-run event without waiting for it; the poll catches scheduled runs "
+        "coming due (fetched 10 s ahead) and covers a lost event stream. Each poll is also a write on the "
+        "server, and on SQLite a write can make a concurrent run creation wait 2 s.",
     )
+    runner_warm: bool = Field(
+        True,
+        description="Start each flow run forked from a server that has imported Prefect's engine and the "
+        "flow modules (tens of ms); false: Prefect's own fresh interpreter per run (seconds).",
+    )
+    runner_preload: list[str] = Field(
+        ["sluicegate.metadata", "sluicegate.storage"],
+        description="Modules the warm runner's server imports once, besides Prefect's engine and the flow "
+        "modules: what every run imports soon after it starts.",
+    )
+    runner_limit: int = Field(5, ge=1, description="Flow runs the embedded runner runs at once.")
     runner_port: int = Field(9103, description="Port of the embedded runner's health server.")
 
     @property
@@ -356,9 +372,43 @@ class RolloutSettings(Group):
     local_grpc: str = Field(f"{LOOPBACK}:8001", description="The local model server's gRPC address.")
     local_http: str = Field(f"http://{LOOPBACK}:8000", description="The local model server's side port.")
     admin_token: SecretStr | None = Field(None, description="The serving admin token (local platform).")
+    # TLS to the local model server: the rollout's admin calls (gRPC and the HTTPS side port) and the
+    # embedded stack's clients use these; with any of them set, local_http must be https://.
+    tls_ca_file: Path | None = Field(
+        None,
+        description="PEM CA bundle that signed the local model server's certificate; set: the clients use TLS "
+        "(gRPC and HTTPS) and trust only it.",
+    )
+    tls_client_cert_file: Path | None = Field(
+        None, description="PEM client certificate the clients present to a mutual-TLS model server."
+    )
+    tls_client_key_file: Path | None = Field(None, description="PEM private key of tls_client_cert_file.")
+    local_tls_cert_file: Path | None = Field(
+        None,
+        description="Embedded stack: the local model server's certificate (SLUICEGATE_SERVING__TLS_CERT_FILE); "
+        "with tls_client_cert_file set, it also requires client certificates signed by tls_ca_file.",
+    )
+    local_tls_key_file: Path | None = Field(None, description="Embedded stack: the private key of local_tls_cert_file.")
     namespace: str = Field("sluicegate-serving", description="Kubernetes namespace of the serving Deployments.")
     istio: bool = Field(True, description="Kubernetes: split with Istio weights; false: by replica ratio.")
     ready_timeout_seconds: float = Field(600.0, gt=0, description="How long a canary may take to become ready.")
+
+    @model_validator(mode="after")
+    def _tls_pairs(self) -> RolloutSettings:
+        for cert, key in (
+            ("tls_client_cert_file", "tls_client_key_file"),
+            ("local_tls_cert_file", "local_tls_key_file"),
+        ):
+            if (getattr(self, cert) is None) != (getattr(self, key) is None):
+                raise ValueError(f"rollout.{cert} and rollout.{key} go together: set both or neither")
+        if self.client_tls and not self.local_http.startswith("https://"):
+            raise ValueError(f"rollout TLS is set but local_http is {self.local_http!r}: use https://")
+        return self
+
+    @property
+    def client_tls(self) -> bool:
+        """Whether the clients of the local model server use TLS."""
+        return any(f is not None for f in (self.tls_ca_file, self.tls_client_cert_file, self.local_tls_cert_file))
 
 
 class ModelSettings(Group):

@@ -1,6 +1,7 @@
 """The gRPC port: one ``grpc.server`` carrying KServe V2 ``inference.GRPCInferenceService`` (with Triton's
 extensions), ``sluicegate.admin.TrafficAdmin`` and ``grpc.health.v1.Health``, each servicer method
-wrapped once by serving/grpc_api/rpc_errors.py. serving/server.py builds it beside the HTTP side port and
+wrapped once by serving/grpc_api/rpc_errors.py; TLS (optionally mutual) when the settings name a
+certificate. serving/server.py builds it beside the HTTP side port and
 starts both."""
 
 from __future__ import annotations
@@ -12,12 +13,17 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from serving.auth import Authorizer
 from serving.dataplane import DataPlane
 from serving.grpc_api.rpc_errors import guard_servicer
 from serving.grpc_api.servicer import ADMIN_METHODS, INFERENCE_METHODS, AdminServicer, InferenceServicer
 from serving.observability.metrics import ServerMetrics
 from serving.proto import admin_pb2_grpc, grpc_service_pb2_grpc
 from serving.settings import ServingSettings
+
+# The health services a load balancer or Triton-style probe may ask: the whole server and the inference
+# service by name; both always carry the same status (serving/server.py's readiness_publisher).
+HEALTH_SERVICES = ("", "inference.GRPCInferenceService")
 
 
 def grpc_options(settings: ServingSettings) -> list[tuple[str, Any]]:
@@ -29,18 +35,39 @@ def grpc_options(settings: ServingSettings) -> list[tuple[str, Any]]:
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.min_ping_interval_without_data_ms", settings.min_client_ping_interval_ms),
         ("grpc.http2.max_pings_without_data", 0),
-        # With grpc's default (1) a stale server silently shared the port (FACTS.md): fail loudly instead.
-        ("grpc.so_reuseport", 0),
+        # With grpc's default (1) a stale server silently shared the port (FACTS.md): fail loudly instead,
+        # unless this is one of several worker processes meant to share it (serving/supervisor.py).
+        ("grpc.so_reuseport", int(settings.reuse_port)),
     ]
 
 
 @dataclass(frozen=True)
 class GrpcPort:
-    """The bound, not yet started gRPC server; ``health`` reports NOT_SERVING until the models load."""
+    """The bound, not yet started gRPC server; ``health`` reports NOT_SERVING until the models load.
+    ``secure``: bound with TLS (then there is no plaintext port at all)."""
 
     server: Any  # grpc.Server
     health: Any  # grpc_health.v1.health.HealthServicer
     port: int
+    secure: bool = False
+
+
+def server_credentials(settings: ServingSettings) -> grpc.ServerCredentials:
+    """The server certificate and key, and with ``tls_client_ca_file`` the CA client certificates must be
+    signed by (mutual TLS: a client without one is refused in the handshake).
+
+    Raises:
+        SystemExit: A file cannot be read.
+    """
+    assert settings.tls_cert_file is not None and settings.tls_key_file is not None
+    try:
+        cert, key = settings.tls_cert_file.read_bytes(), settings.tls_key_file.read_bytes()
+        client_ca = settings.tls_client_ca_file.read_bytes() if settings.tls_client_ca_file else None
+    except OSError as exc:
+        raise SystemExit(f"cannot read the TLS files for gRPC: {exc}") from exc
+    return grpc.ssl_server_credentials(
+        [(key, cert)], root_certificates=client_ca, require_client_auth=client_ca is not None
+    )
 
 
 def bind_grpc(
@@ -48,7 +75,7 @@ def bind_grpc(
     plane: DataPlane,
     metrics: ServerMetrics,
     *,
-    admin_token: str | None,
+    auth: Authorizer,
     version: str,
     request_log: Any = None,
 ) -> GrpcPort:
@@ -68,15 +95,21 @@ def bind_grpc(
         version=version,
         max_elements=settings.max_elements,
         request_log=request_log,
+        auth=auth,
     )
     guard_servicer(inference, "inference.GRPCInferenceService", INFERENCE_METHODS)
     grpc_service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(inference, server)  # type: ignore[no-untyped-call]
-    admin = guard_servicer(AdminServicer(plane, admin_token), "sluicegate.admin.TrafficAdmin", ADMIN_METHODS)
+    admin = guard_servicer(AdminServicer(plane, auth), "sluicegate.admin.TrafficAdmin", ADMIN_METHODS)
     admin_pb2_grpc.add_TrafficAdminServicer_to_server(admin, server)  # type: ignore[no-untyped-call]
     health_servicer = health.HealthServicer()
-    health_servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+    for service in HEALTH_SERVICES:
+        health_servicer.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    port = server.add_insecure_port(f"{settings.host}:{settings.grpc_port}")
+    address = f"{settings.host}:{settings.grpc_port}"
+    if settings.tls:
+        port = server.add_secure_port(address, server_credentials(settings))
+    else:
+        port = server.add_insecure_port(address)
     if port == 0:
-        raise SystemExit(f"cannot bind gRPC to {settings.host}:{settings.grpc_port} (in use?)")
-    return GrpcPort(server, health_servicer, port)
+        raise SystemExit(f"cannot bind gRPC to {address} (in use?)")
+    return GrpcPort(server, health_servicer, port, secure=settings.tls)

@@ -1,11 +1,15 @@
-"""Structured JSON logs: one JSON object per line, through the standard ``logging`` module.
+"""Structured JSON logs: one JSON object per line.
 
-``JsonFormatter`` formats every record of the server: a fixed envelope (timestamp, level, logger,
-message) plus the request context bound with ``log_context`` (model, version, request id: contextvars,
-so a warning logged deep in the data plane still names its request). ``RequestLogger`` writes the
-per-request line, whose fields are exactly ``REQUEST_FIELDS``: never tensors, parameters or anything
-else from the request body. Logging is configured by the entry point (``json_handler``), never here at
-import.
+``JsonFormatter`` formats every ``logging`` record of the server: a fixed envelope (timestamp, level,
+logger, message) plus the request context bound with ``log_context`` (model, version, request id:
+contextvars, so a warning logged deep in the data plane still names its request). Logging is configured
+by the entry point (``json_handler``), never here at import.
+
+Requests are not ``logging`` records: at thousands a second a record, a formatter and a lock per
+request cost more than the inference of a small model. ``RequestLogger`` takes a tuple per request and
+writes the lines in batches from the telemetry thread (``LineSink``), in the same JSON shape: the
+envelope with ``logger`` = ``serving.requests``, then exactly ``REQUEST_FIELDS``, never tensors,
+parameters or anything else from the request body. ``input_digest`` names the request's input bytes.
 """
 
 from __future__ import annotations
@@ -15,24 +19,33 @@ import io
 import json
 import logging
 import math
+import os
+import stat
 import sys
 import threading
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
 from datetime import UTC, datetime
+from pathlib import Path
+from select import PIPE_BUF
 from types import MappingProxyType
 from typing import IO, Any
 
 import numpy as np
+import orjson
+import xxhash
+
+from serving.errors import ECHO_CHARS, clip
 
 REQUEST_LOGGER = "serving.requests"
 REQUEST_FIELDS = (
     "request_id",
     "model_name",
     "model_version",
-    "input_hash",
+    "input_digest",  # "xxh3-128:<32 hex>" (older lines: "input_hash", a bare sha256 hex)
     "runtime",
     "batch_size",
     "inference_time_ms",
@@ -43,7 +56,6 @@ REQUEST_FIELDS = (
     "trace_id",
 )
 ENVELOPE = ("timestamp", "level", "logger", "message")
-_RECORD_KEY = "sluicegate_request"  # LogRecord attribute carrying a request line's fields
 _EMPTY: Mapping[str, str] = MappingProxyType({})
 _context: ContextVar[Mapping[str, str]] = ContextVar("sluicegate_log_context", default=_EMPTY)
 
@@ -59,8 +71,8 @@ def log_context(**fields: str) -> Iterator[None]:
 
 
 class JsonFormatter(logging.Formatter):
-    """One JSON object per record: the envelope, then the request fields or the bound context, then the
-    traceback (``exception``) when there is one."""
+    """One JSON object per record: the envelope, then the bound context, then the traceback
+    (``exception``) when there is one."""
 
     def format(self, record: logging.LogRecord) -> str:
         payload: dict[str, Any] = {
@@ -69,8 +81,7 @@ class JsonFormatter(logging.Formatter):
             "logger": record.name,
             "message": record.getMessage(),
         }
-        fields = getattr(record, _RECORD_KEY, None)
-        payload.update(fields if isinstance(fields, Mapping) else _context.get())
+        payload.update(_context.get())
         if record.exc_info:
             payload["exception"] = self.formatException(record.exc_info)
         if record.stack_info:
@@ -133,14 +144,20 @@ class _TimedFlush(logging.StreamHandler):  # type: ignore[type-arg]
         super().close()
 
 
-def input_hash(inputs: Iterable[Any]) -> str:
-    """sha256 hex of the request's input bytes, input after input in request order.
+DIGEST_ALGORITHM = "xxh3-128"
 
-    Numeric arrays contribute their C-order little-endian bytes, which is what ``raw_input_contents``
-    carries; BYTES tensors (object arrays) their V2 raw encoding (4-byte little-endian length, then the
-    bytes, per element); ``bytes`` are hashed as given.
+
+def input_digest(inputs: Iterable[Any]) -> str:
+    """``"xxh3-128:<32 hex>"``: XXH3-128 (seed 0) of the request's input bytes, input after input in
+    request order. Not cryptographic: it identifies an input (lineage, duplicates), it does not
+    authenticate one; a 128-bit digest makes accidental collisions negligible. The same in every
+    process and on every machine (xxhash's canonical big-endian hex; nothing depends on PYTHONHASHSEED).
+
+    The bytes digested: numeric arrays contribute their C-order little-endian bytes, which is what
+    ``raw_input_contents`` carries; BYTES tensors (object arrays) their V2 raw encoding (4-byte
+    little-endian length, then the bytes, per element); ``bytes`` are digested as given.
     """
-    digest = hashlib.sha256()
+    digest = xxhash.xxh3_128()
     for item in inputs:
         if isinstance(item, bytes | bytearray | memoryview):
             digest.update(item)
@@ -154,32 +171,152 @@ def input_hash(inputs: Iterable[Any]) -> str:
             continue
         little = array.dtype.newbyteorder("<")
         digest.update(np.ascontiguousarray(array, dtype=little).tobytes())
-    return digest.hexdigest()
+    return f"{DIGEST_ALGORITHM}:{digest.hexdigest()}"
+
+
+def raw_digest(buffers: Sequence[bytes]) -> str:
+    """``input_digest`` of ``raw_input_contents`` (the same bytes, without the per-item type checks)."""
+    if len(buffers) == 1:
+        return f"{DIGEST_ALGORITHM}:{xxhash.xxh3_128_hexdigest(buffers[0])}"
+    digest = xxhash.xxh3_128()
+    for buffer in buffers:
+        digest.update(buffer)
+    return f"{DIGEST_ALGORITHM}:{digest.hexdigest()}"
+
+
+# A request record as the request thread leaves it: plain tuple, the cheapest thing to build.
+# (epoch seconds, request id, model, version, input digest, runtime, rows, seconds taken, status,
+#  trace id or None, invocation metadata to read the caller's trace id from or None,
+#  logits or None, the version's monitors or None)
+Record = tuple[float, str, str, str, str | None, str | None, int, float, str, str | None, Any, Any, Any]
+
+
+class LineSink:
+    """Where request records go: whole JSON lines written to a file descriptor.
+
+    Several server processes may share one stderr pipe or one file, so no write may carry part of a
+    line: each ``write()`` is whole lines. To a pipe (or socket) each is at most ``PIPE_BUF`` (4096)
+    bytes, the size up to which POSIX makes a pipe write atomic, so lines of different processes never
+    interleave mid-line; a longer line goes alone and may then interleave (request lines are a few
+    hundred bytes: ids and names are cut to ``max_echo_chars``). To a regular file opened ``O_APPEND``
+    every write lands at the end as one piece, so a tick's lines go in one write.
+
+    Args:
+        fd: The descriptor (2: standard error).
+        close: Close ``fd`` with the sink (a file this sink opened).
+    """
+
+    def __init__(self, fd: int, *, close: bool = False) -> None:
+        self.fd = fd
+        self._close = close
+        try:
+            mode = os.fstat(fd).st_mode
+        except OSError:
+            mode = 0
+        self.limit = PIPE_BUF if stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode) else 1 << 20
+
+    @classmethod
+    def open(cls, path: Path | str) -> LineSink:
+        """A file, created if missing, opened for appending (shared safely by several processes)."""
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        return cls(fd, close=True)
+
+    def write_lines(self, lines: Sequence[bytes]) -> None:
+        """Write ``lines`` (each ending in a newline) in as few writes as the limit allows."""
+        chunk: list[bytes] = []
+        size = 0
+        for line in lines:
+            if chunk and size + len(line) > self.limit:
+                self._write(b"".join(chunk))
+                chunk, size = [], 0
+            chunk.append(line)
+            size += len(line)
+        if chunk:
+            self._write(b"".join(chunk))
+
+    def _write(self, data: bytes) -> None:
+        view = memoryview(data)
+        while view:  # a short write happens only to a full non-pipe or on a signal: finish it
+            view = view[os.write(self.fd, view) :]
+
+    def close(self) -> None:
+        if self._close:
+            os.close(self.fd)
+            self._close = False
 
 
 class RequestLogger:
-    """The per-request JSON line, sampled.
+    """The record of every request (by default), written as JSON lines in batches.
 
-    Sampling is decided by a hash of the request id, so a request is logged whole or not at all and
-    every replica decides the same for it; an answer other than "OK" is always logged. Give every request
-    an id (the server should assign a uuid4 when the client sent none): one empty id would be sampled
-    for everyone at once.
+    The request thread only appends a tuple (``record``); the telemetry thread turns everything
+    recorded since its last tick into lines (``drain``: the output confidences vectorised, one
+    ``orjson.dumps`` per line) and hands them to the sink in a few writes. The lines keep the shape of
+    the server's other JSON log lines (``ENVELOPE`` then ``REQUEST_FIELDS``, ``logger`` =
+    ``serving.requests``), so log shippers and ``sluicegate lineage`` read them as before.
+
+    Sampling is decided by a hash of the request id, so a request is recorded whole or not at all and
+    every replica decides the same for it; an answer other than "OK" is always recorded. Give every
+    request an id (the server assigns one when the client sent none): one empty id would be sampled for
+    everyone at once.
+
+    At most ``max_pending`` records wait for a tick; beyond it new ones are dropped and counted
+    (``on_drop``), so a stalled sink never blocks an answer or grows memory.
 
     Args:
-        sample_rate: Fraction of successful requests logged, 0..1.
-        logger: Where the lines go; default the ``serving.requests`` logger.
+        sample_rate: Fraction of successful requests recorded, 0..1.
+        max_echo_chars: Longest request id, model name or version written; longer ones are cut
+            (``serving.errors.clip``): the caller chooses them, and five 4 MiB names were a 21 MB log.
+        sink: Where lines go; default standard error.
+        max_pending: Most records waiting for the telemetry thread.
+        on_drop: Called with the number of records dropped (the request thread; keep it cheap).
+        gpu_utilization: Read once per drain for the ``gpu_utilization`` field.
     """
 
-    def __init__(self, sample_rate: float, *, logger: logging.Logger | None = None) -> None:
+    def __init__(
+        self,
+        sample_rate: float,
+        *,
+        max_echo_chars: int = ECHO_CHARS,
+        sink: LineSink | None = None,
+        max_pending: int = 10_000,
+        on_drop: Callable[[int], None] | None = None,
+        gpu_utilization: Callable[[], float | None] | None = None,
+    ) -> None:
         if not 0.0 <= sample_rate <= 1.0:
             raise ValueError(f"log sample_rate must be between 0 and 1, got {sample_rate}")
+        if max_pending < 1:
+            raise ValueError(f"max_pending must be at least 1, got {max_pending}")
         self.sample_rate = sample_rate
+        self.max_echo_chars = max_echo_chars
         self._bound = int(sample_rate * 2**64)  # sampled when the id's 64-bit hash is below it
-        self._logger = logger or logging.getLogger(REQUEST_LOGGER)
+        self._every = self._bound >= 2**64
+        self.sink = sink or LineSink(2)
+        self.max_pending = max_pending
+        self.on_drop = on_drop
+        self.gpu_utilization = gpu_utilization
+        # deque: append and popleft are atomic, so request threads never take a lock to record.
+        self._pending: deque[Record] = deque()
+        self.dropped = 0
+
+    def configure(
+        self,
+        *,
+        sink: LineSink | None = None,
+        max_pending: int | None = None,
+        on_drop: Callable[[int], None] | None = None,
+        gpu_utilization: Callable[[], float | None] | None = None,
+    ) -> None:
+        """Set what the server knows only once its telemetry exists (before the first request)."""
+        if sink is not None:
+            self.sink = sink
+        if max_pending is not None:
+            self.max_pending = max_pending
+        self.on_drop = on_drop if on_drop is not None else self.on_drop
+        self.gpu_utilization = gpu_utilization if gpu_utilization is not None else self.gpu_utilization
 
     def sampled(self, request_id: str) -> bool:
-        """Whether a successful request with this id is logged (check before computing its input hash)."""
-        if self._bound >= 2**64:
+        """Whether a successful request with this id is recorded (check before computing its digest)."""
+        if self._every:
             return True  # everything: no hash to compute
         head = hashlib.sha256(request_id.encode()).digest()[:8]
         return int.from_bytes(head, "big") < self._bound
@@ -187,13 +324,24 @@ class RequestLogger:
     def wanted(self, request_id: str, status: str) -> bool:
         return status != "OK" or self.sampled(request_id)
 
+    def record(self, record: Record) -> bool:
+        """Queue one request's record (request thread); False when it was dropped (and counted)."""
+        pending = self._pending
+        if len(pending) < self.max_pending:
+            pending.append(record)
+            return True
+        self.dropped += 1
+        if self.on_drop is not None:
+            self.on_drop(1)
+        return False
+
     def log(
         self,
         *,
         request_id: str,
         model_name: str,
         model_version: str,
-        input_hash: str | None,
+        input_digest: str | None,
         runtime: str | None,
         batch_size: int,
         inference_time_ms: float,
@@ -202,36 +350,127 @@ class RequestLogger:
         gpu_utilization: float | None,
         status: str,
         trace_id: str | None,
+        timestamp: float | None = None,
     ) -> bool:
-        """Write the line if the request is sampled or failed; returns whether it was written.
-
-        ``status`` is "OK" or the gRPC status code's name; ``inference_time_ms`` is rounded to the
-        microsecond; non-finite floats are written as null.
-        """
+        """Record one request from its fields (tests, tools); the server calls ``record``. Written at the
+        next ``drain``. Returns whether it was recorded (sampled or failed, and not dropped)."""
         if not self.wanted(request_id, status):
             return False
-        fields = {
-            "request_id": request_id,
-            "model_name": model_name,
-            "model_version": model_version,
-            "input_hash": input_hash,
-            "runtime": runtime,
-            "batch_size": int(batch_size),
-            "inference_time_ms": _finite(round(float(inference_time_ms), 3)),
-            "output_confidence": _finite(output_confidence),
-            "abnormal_flag": bool(abnormal_flag),
-            "gpu_utilization": _finite(gpu_utilization),
-            "status": status,
-            "trace_id": trace_id,
-        }
-        level = logging.INFO if status == "OK" else logging.WARNING
-        logger = self._logger
-        if logger.isEnabledFor(level):
-            # makeRecord + handle rather than logger.log: the same handlers, filters and levels, without
-            # findCaller's walk up the stack (a source line says nothing about a request line).
-            extra = {_RECORD_KEY: MappingProxyType(fields)}
-            logger.handle(logger.makeRecord(logger.name, level, "", 0, "inference", (), None, extra=extra))
-        return True
+        fixed = _Fixed(output_confidence, abnormal_flag, gpu_utilization)
+        return self.record(
+            (
+                time.time() if timestamp is None else timestamp,
+                request_id,
+                model_name,
+                model_version,
+                input_digest,
+                runtime,
+                batch_size,
+                inference_time_ms / 1e3,
+                status,
+                trace_id,
+                None,
+                fixed,
+                None,
+            )
+        )
+
+    def drain(self) -> int:
+        """Write every record queued so far (telemetry thread); returns how many lines were written."""
+        pending = self._pending
+        count = len(pending)
+        if not count:
+            return 0
+        records = [pending.popleft() for _ in range(count)]
+        confidences = _confidences([r[11] for r in records])
+        gpu = _finite(self.gpu_utilization()) if self.gpu_utilization is not None else None
+        echo = self.max_echo_chars
+        abnormal: dict[int, bool] = {}
+        lines = []
+        for record, confidence in zip(records, confidences, strict=True):
+            when, request_id, model, version, digest, runtime, rows, seconds, status = record[:9]
+            trace, metadata, logits, monitors = record[9:]
+            if trace is None and metadata and any(key == "traceparent" for key, _ in metadata):
+                from serving.observability.tracing import incoming_trace_id
+
+                trace = incoming_trace_id(metadata)
+            flag = runtime == "rules"
+            row_gpu = gpu
+            if isinstance(logits, _Fixed):
+                flag, row_gpu = logits.abnormal, _finite(logits.gpu)
+            elif monitors is not None and not flag:
+                key = id(monitors)
+                if key not in abnormal:
+                    abnormal[key] = bool(monitors.abnormal)
+                flag = abnormal[key]
+            fields = {
+                "timestamp": _iso(when),
+                "level": "INFO" if status == "OK" else "WARNING",
+                "logger": REQUEST_LOGGER,
+                "message": "inference",
+                "request_id": clip(request_id, echo),
+                "model_name": clip(model, echo),
+                "model_version": clip(version, echo),
+                "input_digest": digest,
+                "runtime": runtime,
+                "batch_size": int(rows),
+                "inference_time_ms": _finite(round(seconds * 1e3, 3)),
+                "output_confidence": confidence,
+                "abnormal_flag": flag,
+                "gpu_utilization": row_gpu,
+                "status": status,
+                "trace_id": trace,
+            }
+            lines.append(_dumps(fields))
+        self.sink.write_lines(lines)
+        return count
+
+    def close(self) -> None:
+        self.drain()
+        self.sink.close()
+
+
+class _Fixed:
+    """The fields ``RequestLogger.log`` was given outright, carried in a record's logits slot."""
+
+    __slots__ = ("abnormal", "confidence", "gpu")
+
+    def __init__(self, confidence: float | None, abnormal: bool, gpu: float | None) -> None:
+        self.confidence, self.abnormal, self.gpu = confidence, bool(abnormal), gpu
+
+
+def _confidences(logits: list[Any]) -> list[float | None]:
+    """Each record's ``output_confidence`` (its least sure row's top softmax probability), in a few numpy
+    calls for the tick: the records whose logits share a class count are stacked and done at once."""
+    out: list[float | None] = [None] * len(logits)
+    groups: dict[int, list[int]] = {}
+    for index, value in enumerate(logits):
+        if isinstance(value, _Fixed):
+            out[index] = _finite(value.confidence)
+        elif isinstance(value, np.ndarray) and value.ndim == 2 and value.shape[0] and value.shape[1]:
+            groups.setdefault(value.shape[1], []).append(index)
+    for members in groups.values():
+        parts = [np.asarray(logits[i], dtype=np.float64) for i in members]
+        stacked = np.concatenate(parts)
+        top = stacked.max(axis=1, keepdims=True)
+        with np.errstate(invalid="ignore", over="ignore"):
+            best = 1.0 / np.exp(stacked - top).sum(axis=1)  # the top class's softmax probability per row
+        starts = np.cumsum([0] + [len(p) for p in parts[:-1]])
+        least = np.minimum.reduceat(best, starts)
+        for index, value in zip(members, least.tolist(), strict=True):
+            out[index] = value if math.isfinite(value) else None
+    return out
+
+
+def _iso(when: float) -> str:
+    return datetime.fromtimestamp(when, UTC).isoformat(timespec="microseconds")
+
+
+def _dumps(fields: dict[str, Any]) -> bytes:
+    try:
+        return orjson.dumps(fields, option=orjson.OPT_APPEND_NEWLINE)
+    except TypeError:  # a lone surrogate in a caller's text: the standard encoder escapes it
+        return (json.dumps(fields, separators=(",", ":"), default=str) + "\n").encode()
 
 
 def _finite(value: float | None) -> float | None:

@@ -3,15 +3,30 @@ tests, never share series). Names carry their units.
 
 Every per-version family is labelled ``{model, version}``; ``forget(model, version)`` drops a version's
 series when it is unloaded, so a dashboard never shows a version that is gone.
+
+Request labels come from the caller (any model name, any version, megabytes long), and every new label set
+is a series kept forever: ``observe`` labels only versions the data plane reported ``loaded`` and counts
+everything else under ``UNKNOWN`` (model "_unknown", version ""), so the series count is bounded by what
+the repository holds.
+
+With several worker processes (serving/supervisor.py) every family lives in prometheus-client's
+multiprocess mode: each worker writes its values to files in one shared folder, and ``/metrics`` on any
+worker serves their aggregate (counters and histograms summed; each gauge says how it combines). The
+multiprocess files cannot drop a series, so there ``forget`` works by filtering: a scrape lists only the
+versions the scraping worker has loaded (every worker loads the same ones) and ``UNKNOWN``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+import math
+import threading
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.metrics import MetricWrapperBase
+from prometheus_client.metrics_core import Metric
 
 from serving.observability.gpu import GpuCollector, NvmlLoader
 
@@ -24,6 +39,8 @@ BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 ENTROPY_BUCKETS = (0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0)
 
 _VERSION = ("model", "version")
+# The labels of a request for a model or version that is not loaded (see the module docstring).
+UNKNOWN = ("_unknown", "")
 
 
 class BatchMetrics:
@@ -48,24 +65,47 @@ class ServerMetrics:
     Args:
         nvml: How to import NVML for the GPU gauges; default ``import pynvml`` (nvidia-ml-py), lazily, on
             the first scrape. Tests pass a fake. Without NVML or a GPU the GPU families are absent.
+        multiprocess_dir: The shared folder of a multi-process server (``PROMETHEUS_MULTIPROC_DIR``, set
+            in this process's environment before prometheus_client was imported); None: one process.
     """
 
-    def __init__(self, *, nvml: NvmlLoader | None = None) -> None:
-        self.registry = CollectorRegistry()
+    def __init__(self, *, nvml: NvmlLoader | None = None, multiprocess_dir: Path | None = None) -> None:
+        # The families register here; with workers this registry is never scraped (the files are).
+        own = CollectorRegistry()
         # Registered in this order, which is the order /metrics lists them in.
-        self._request_families(self.registry)
-        self._batch_families(self.registry)
-        self._monitor_families(self.registry)
-        self._engine_cache_families(self.registry)
+        self._request_families(own)
+        self._batch_families(own)
+        self._monitor_families(own)
+        self._engine_cache_families(own)
         self.telemetry_dropped = Counter(
             "sluicegate_telemetry_dropped",
             "Monitor batches and request-log lines dropped because the telemetry thread fell behind.",
             ["kind"],
-            registry=self.registry,
+            registry=own,
         )
-        self.gpu = GpuCollector(nvml)
+        self.records_dropped = Counter(
+            "sluicegate_request_records_dropped",
+            "Request records (request-log lines) dropped because the telemetry thread or the log sink fell "
+            "behind (telemetry_max_pending waiting); those requests cannot be found by sluicegate lineage.",
+            registry=own,
+        )
+        self.auth_refused = Counter(
+            "sluicegate_auth_refused",
+            "Calls refused for want of the admin token, by action and reason (missing, wrong, disabled).",
+            ["action", "reason"],
+            registry=own,
+        )
+        if multiprocess_dir is None:
+            self.registry = own
+        else:
+            # What /metrics serves: every worker's files, aggregated, less the versions gone.
+            self.registry = CollectorRegistry()
+            self.registry.register(_LoadedVersionsOnly(multiprocess_dir, self._known_labels))
+        self.gpu = GpuCollector(nvml)  # the node's GPUs: the same for every worker, read at scrape time
         self.registry.register(self.gpu)
         self._children: dict[tuple[str, str, str], tuple[Any, Any]] = {}
+        self._known: set[tuple[str, str]] = set()  # loaded versions: the only request labels taken as sent
+        self._lock = threading.Lock()  # known, and the children made from it, against forget()
         # Every per-version family with its label names, for forget().
         self._per_version: list[tuple[MetricWrapperBase, tuple[str, ...]]] = [
             (self.requests, (*_VERSION, "code")),
@@ -103,8 +143,16 @@ class ServerMetrics:
             "Runtime level a model version runs on (0: the best configured; higher: fallen back).",
             [*_VERSION, "runtime"],
             registry=registry,
+            multiprocess_mode="liveall",  # each worker falls back on its own: one series per worker (pid)
         )
-        self.ready = Gauge("sluicegate_server_ready", "1 when every configured model is loaded.", registry=registry)
+        # Gauges say how workers' values combine (multiprocess_mode; ignored in one process). "live": a dead
+        # worker's value is dropped (serving/supervisor.py marks it dead), not kept for ever.
+        self.ready = Gauge(
+            "sluicegate_server_ready",
+            "1 when every configured model is loaded (with workers: in every live worker).",
+            registry=registry,
+            multiprocess_mode="livemin",
+        )
 
     def _batch_families(self, registry: CollectorRegistry) -> None:
         """Queue time, batch size and batch execution time (fed through ``batch_observer``)."""
@@ -144,24 +192,28 @@ class ServerMetrics:
             "1 while the output-entropy window looks collapsed (see serving/observability/entropy.py).",
             _VERSION,
             registry=registry,
+            multiprocess_mode="livemax",  # each worker judges its share of the traffic: any collapse counts
         )
         self.drift_statistic = Gauge(
             "sluicegate_feature_drift_ks_statistic",
             "Latest two-sample KS statistic of a feature's sliding window against the training baseline.",
             [*_VERSION, "feature"],
             registry=registry,
+            multiprocess_mode="livemax",  # the worst worker's window
         )
         self.drift_p_value = Gauge(
             "sluicegate_feature_drift_p_value",
             "p-value of the latest KS test of a feature's window against the training baseline.",
             [*_VERSION, "feature"],
             registry=registry,
+            multiprocess_mode="livemin",  # the worst worker's window
         )
         self.drift_alarm = Gauge(
             "sluicegate_feature_drift_alarm",
             "1 while any feature's latest KS test exceeds both drift thresholds.",
             _VERSION,
             registry=registry,
+            multiprocess_mode="livemax",
         )
 
     def _engine_cache_families(self, registry: CollectorRegistry) -> None:
@@ -179,17 +231,43 @@ class ServerMetrics:
             registry=registry,
         )
 
+    def _known_labels(self) -> set[tuple[str, str]]:
+        with self._lock:
+            return {*self._known, UNKNOWN}
+
     def observe(self, model: str, version: str, code: str, seconds: float) -> None:
-        """One answered request: counted by status code; its latency recorded when it succeeded."""
+        """One answered request: counted by status code; its latency recorded when it succeeded. A model
+        or version that is not loaded is counted under ``UNKNOWN``."""
         # The label children are looked up once per (model, version, code): labels() costs more than
-        # the increment itself, on every request.
+        # the increment itself, on every request. Only known labels and UNKNOWN are ever cached, so a hit
+        # needs no other check.
         children = self._children.get((model, version, code))
         if children is None:
-            latency = self.latency.labels(model, version) if code == "OK" else None
-            children = self._children[(model, version, code)] = (self.requests.labels(model, version, code), latency)
+            children = self._child(model, version, code)
         children[0].inc()
         if children[1] is not None:
             children[1].observe(seconds)
+
+    def _child(self, model: str, version: str, code: str) -> tuple[Any, Any]:
+        with self._lock:
+            if (model, version) not in self._known:
+                model, version = UNKNOWN
+            # The code is the server's own (a status code name), never request text.
+            key = (model, version, code)
+            children = self._children.get(key)
+            if children is None:
+                latency = self.latency.labels(model, version) if code == "OK" else None
+                children = self._children[key] = (self.requests.labels(model, version, code), latency)
+            return children
+
+    def loaded(self, model: str, version: str) -> None:
+        """A version now serves: its requests are labelled with its name from here on."""
+        with self._lock:
+            self._known.add((model, version))
+
+    def refused(self, action: str, reason: str) -> None:
+        """The ``Authorizer``'s ``on_refused`` (``action`` is one of the server's fixed call names)."""
+        self.auth_refused.labels(action, reason).inc()
 
     def dropped(self, kind: str) -> None:
         """The telemetry pipeline's ``on_drop``."""
@@ -231,19 +309,58 @@ class ServerMetrics:
         """Drop every series of an unloaded version (request counters included); call it after the
         version's batcher has stopped, since its ``batch_observer`` keeps writing to the dropped series."""
         wanted = {"model": model, "version": version}
-        for key in [key for key in self._children if key[:2] == (model, version)]:
-            self._children.pop(key, None)
+        with self._lock:
+            # Requests still finishing from here on are counted under UNKNOWN, not in a revived series.
+            self._known.discard((model, version))
+            for key in [key for key in self._children if key[:2] == (model, version)]:
+                self._children.pop(key, None)
         for family, names in self._per_version:
             _remove_matching(family, names, wanted)
 
 
 def _remove_matching(family: MetricWrapperBase, names: Sequence[str], wanted: Mapping[str, str]) -> None:
-    """Remove every child of ``family`` (labelled ``names``) whose labels include ``wanted``."""
+    """Remove every child of ``family`` (labelled ``names``) whose labels include ``wanted``.
+
+    In multiprocess mode a child cannot be removed (its value stays in the worker's file): a gauge's is
+    set to NaN, which the scrape leaves out; counters and histograms are left to the version filter."""
     children = {
         tuple(sample.labels[name] for name in names)
         for metric in family.collect()
         for sample in metric.samples
         if all(sample.labels.get(key) == value for key, value in wanted.items())
     }
+    shared = _multiprocess()
     for values in children:
-        family.remove(*values)
+        if not shared:
+            family.remove(*values)
+        elif isinstance(family, Gauge):
+            family.labels(*values).set(math.nan)
+
+
+def _multiprocess() -> bool:
+    # prometheus_client chose the value class at import from PROMETHEUS_MULTIPROC_DIR; ask it, not the env.
+    from prometheus_client import values
+
+    return values.ValueClass is not values.MutexValue
+
+
+class _LoadedVersionsOnly:
+    """prometheus-client's ``MultiProcessCollector`` over ``path``, less the series of versions that are not
+    loaded (``loaded()`` gives the (model, version) pairs to keep) and gauges set to NaN (removed)."""
+
+    def __init__(self, path: Path, loaded: Callable[[], set[tuple[str, str]]]) -> None:
+        from prometheus_client.multiprocess import MultiProcessCollector
+
+        self._inner = MultiProcessCollector(None, path=str(path))  # type: ignore[no-untyped-call]
+        self._loaded = loaded
+
+    def collect(self) -> Iterator[Metric]:
+        keep = self._loaded()
+        for metric in self._inner.collect():  # type: ignore[no-untyped-call]
+            metric.samples = [
+                sample
+                for sample in metric.samples
+                if ("model" not in sample.labels or (sample.labels["model"], sample.labels.get("version", "")) in keep)
+                and not (metric.type == "gauge" and math.isnan(sample.value))
+            ]
+            yield metric

@@ -2,8 +2,9 @@
 
 A request's answer waits only for its metrics (a few histogram updates). Everything heavier happens
 here, after the answer is on its way: each batch's drift features and output entropies (vectorised over
-every batch since the last tick, the KS tests every ``drift_test_every`` images) and each sampled
-request-log line (the sha256 of its inputs, the JSON).
+every batch since the last tick, the KS tests every ``drift_test_every`` images), and, through a tick
+hook (``every_tick``), the request records queued since the last tick, written as JSON lines in a few
+writes (serving/observability/logs.py ``RequestLogger.drain``).
 
 Why a tick (``interval_s``, 50 ms) rather than waking the thread for every call: on a busy server the
 thread was woken thousands of times a second, and every wake-up is a GIL hand-off between it and the
@@ -11,10 +12,10 @@ request threads (a context switch on a small CPU). Measured on the 2-core benchm
 cost several times the telemetry's own CPU. Submitting is now an append under an uncontended lock; the
 thread takes everything queued once per tick, so the monitors also see many batches at once.
 
-The queue is bounded, in calls (``max_pending``) and in the bytes they hold (``max_pending_bytes``: a
-queued log line keeps its request's input alive until it is hashed): when the thread falls behind, new
-work is dropped and counted (``sluicegate_telemetry_dropped_total``) rather than growing memory or
-slowing answers down.
+The queue is bounded, in calls (``max_pending``) and in the bytes they hold (``max_pending_bytes``, as
+their submitters declare them): when the thread falls behind, new work is dropped and counted
+(``sluicegate_telemetry_dropped_total``) rather than growing memory or slowing answers down. Tick hooks
+keep their own bounded queues (the request records: ``sluicegate_request_records_dropped_total``).
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ class TelemetryPipeline:
         self._items: list[Item] = []
         self._bytes = 0
         self._wake = threading.Event()  # flush and close: run now instead of at the next tick
+        self._hooks: list[tuple[str, Callable[[], Any]]] = []
         self._closed = False
         self._thread = threading.Thread(target=self._work, name="telemetry", daemon=True)
         self._thread.start()
@@ -78,6 +80,13 @@ class TelemetryPipeline:
         if not accepted and self._on_drop is not None:
             self._on_drop(kind)
         return accepted
+
+    def every_tick(self, kind: str, fn: Callable[[], Any]) -> None:
+        """Call ``fn()`` on the telemetry thread at every tick, before the calls submitted since the last
+        one (so ``flush`` and ``close`` also wait for what it drains). For work that queues itself more
+        cheaply than a ``submit`` per item: the request records."""
+        with self._lock:
+            self._hooks = [*self._hooks, (kind, fn)]
 
     @property
     def pending_bytes(self) -> int:
@@ -107,7 +116,16 @@ class TelemetryPipeline:
             with self._lock:
                 items, self._items = self._items, []
                 closed = self._closed
-            for kind, fn, args, size in items:
+                hooks = self._hooks
+            # Hooks first: what a hook drains was queued before any flush marker taken in this swap.
+            for kind, hook in hooks:
+                try:
+                    hook()
+                except Exception:  # a broken sink must not stop the monitors
+                    log.exception("telemetry %s failed; the next tick goes on", kind)
+            items.reverse()  # popped from the end, in submission order
+            while items:
+                kind, fn, args, size = items.pop()  # popped: nothing keeps a done call's request alive
                 try:
                     fn(*args)
                 except Exception:  # one bad batch or line must not stop the monitors
@@ -116,5 +134,8 @@ class TelemetryPipeline:
                     if size:
                         with self._lock:
                             self._bytes -= size
+                # A loop variable outlives its loop: the last call's arguments (a request of up to
+                # max_message_bytes) would stay referenced until the next one ran, maybe never.
+                del fn, args
             if closed:
                 return

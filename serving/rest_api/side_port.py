@@ -1,36 +1,91 @@
-"""The HTTP side port: liveness/readiness for probes, /metrics for Prometheus, the V2 REST routes for
-debugging with curl (converted in serving/rest_api/converters.py), and the authenticated admin route that
-sets traffic weights (the local canary).
+"""The HTTP side port: liveness/readiness for probes, /metrics for Prometheus, the V2 REST routes
+(inference, metadata, Triton's repository extension) and the authenticated traffic route, served by
+uvicorn on its own thread and event loop; the routes are in serving/rest_api/app.py.
 
-The standard library's threading HTTP server is enough here: this port carries probes, scrapes and
-the odd debugging request, not the inference traffic (that is gRPC), and it keeps the image light.
+Why uvicorn rather than the standard library's ThreadingHTTPServer: the stdlib server spends a thread
+per connection, has no limit on connections, no timeout on headers or bodies, trusts Content-Length
+and reads the body only after the handler asked for it, so 200 stalled clients held 200 threads and a
+single request could pin 100 MiB. uvicorn (h11) parses strictly (a malformed Content-Length is a 400
+before the app runs), holds an idle connection in a few KiB rather than a thread, and gives
+limit_concurrency, keep-alive timeouts, graceful shutdown and TLS.
+
+What uvicorn does not do, done here: a deadline for the request head. Its h11 protocol arms a timer
+only between keep-alive requests, so a client that sends half a request line and stalls (slowloris)
+keeps its connection for ever; ``_DeadlineProtocol`` closes any connection whose head is not complete
+``http_header_timeout_s`` after it started. The body timeout and size limit are the app's (app.py),
+since only it knows when it is waiting for body data.
 """
 
 from __future__ import annotations
 
-import hmac
-import json
+import asyncio
 import logging
-import re
+import socket
+import ssl
 import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+import time
 from typing import Any
 
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+import h11
+import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from serving.auth import Authorizer
 from serving.dataplane import DataPlane
-from serving.errors import InvalidInput, ServingError, Unauthenticated
 from serving.observability.metrics import ServerMetrics
-from serving.rest_api.converters import metadata_to_json, request_from_json, response_to_binary, response_to_json
+from serving.rest_api.app import BINARY_HEADER, RestApp
+from serving.settings import ServingSettings
+
+__all__ = ["BINARY_HEADER", "SidePort"]
 
 log = logging.getLogger(__name__)
+START_TIMEOUT_S = 30.0
 
-_MODEL = re.compile(r"^/v2/models/(?P<name>[^/]+)(?:/versions/(?P<version>[^/]+))?(?P<rest>/ready|/infer|/traffic)?$")
-MAX_BODY = 100 * 1024 * 1024
-BINARY_HEADER = "Inference-Header-Content-Length"  # Triton's binary tensor data extension
+
+class _DeadlineProtocol(H11Protocol):
+    """uvicorn's h11 protocol with a deadline for each request head (see the module docstring)."""
+
+    header_timeout_s = 10.0
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._head_deadline: asyncio.TimerHandle | None = None
+        self._arm()
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        # IDLE: the request line and headers are not complete yet (h11 emits Request once they are).
+        # The deadline counts from the first byte of a head, never reset by more bytes: a client
+        # trickling one byte a second must not keep the connection.
+        if self.conn.their_state is h11.IDLE:
+            if self._head_deadline is None:
+                self._arm()
+        elif self._head_deadline is not None:
+            self._head_deadline.cancel()
+            self._head_deadline = None
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._head_deadline is not None:
+            self._head_deadline.cancel()
+            self._head_deadline = None
+        super().connection_lost(exc)
+
+    def _arm(self) -> None:
+        if not self.transport.is_closing():
+            self._head_deadline = self.loop.call_later(self.header_timeout_s, self._head_too_slow)
+
+    def _head_too_slow(self) -> None:
+        self._head_deadline = None
+        if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+            peer = f"{self.client[0]}:{self.client[1]}" if self.client else "unknown peer"
+            log.info("closing HTTP connection from %s: no complete request head in %g s", peer, self.header_timeout_s)
+            self.transport.close()
 
 
 class SidePort:
+    """The side port: bound at construction (``port`` is known at once, 0 picks a free one), serving
+    after ``start()``, draining in-flight requests on ``stop()``."""
+
     def __init__(
         self,
         dataplane: DataPlane,
@@ -38,156 +93,60 @@ class SidePort:
         *,
         host: str,
         port: int,
-        admin_token: str | None,
+        auth: Authorizer,
         server_name: str,
         server_version: str = "0",
+        settings: ServingSettings | None = None,
     ) -> None:
-        handler = type("Handler", (_Handler,), {"side": self})
-        self.dataplane, self.metrics, self.admin_token = dataplane, metrics, admin_token
-        self.server_name, self.server_version = server_name, server_version
-        self.server = ThreadingHTTPServer((host, port), handler)
-        self.server.daemon_threads = True
-        self.port = int(self.server.server_address[1])
-        self._thread = threading.Thread(target=self.server.serve_forever, name="http-side-port", daemon=True)
+        settings = settings if settings is not None else ServingSettings()
+        self.dataplane, self.metrics, self.auth, self.settings = dataplane, metrics, auth, settings
+        self.app = RestApp(dataplane, metrics, auth, settings, server_name=server_name, server_version=server_version)
+        # Bound here, not by uvicorn: the port must be known (and taken) before start() returns.
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        # reuse_port: the workers of one supervisor share the port (the kernel spreads connections).
+        self._socket = socket.create_server((host, port), family=family, backlog=2048, reuse_port=settings.reuse_port)
+        self.port = int(self._socket.getsockname()[1])
+        protocol = type("SidePortProtocol", (_DeadlineProtocol,), {"header_timeout_s": settings.http_header_timeout_s})
+        tls: dict[str, Any] = {}
+        if settings.tls_cert_file is not None and settings.tls_key_file is not None:
+            tls = {"ssl_certfile": str(settings.tls_cert_file), "ssl_keyfile": str(settings.tls_key_file)}
+            if settings.tls_client_ca_file is not None:
+                tls |= {"ssl_ca_certs": str(settings.tls_client_ca_file), "ssl_cert_reqs": ssl.CERT_REQUIRED}
+        config = uvicorn.Config(
+            self.app.asgi,
+            http=protocol,
+            lifespan="off",
+            log_config=None,  # the process's logging (JSON lines) stays as server.main() set it
+            access_log=False,
+            server_header=False,
+            timeout_keep_alive=settings.http_keepalive_s,  # type: ignore[arg-type]  # a float works (call_later)
+            limit_concurrency=settings.http_max_connections,
+            timeout_graceful_shutdown=max(1, round(settings.drain_timeout_s)),
+            **tls,
+        )
+        self.server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self._run, name="http-side-port", daemon=True)
+        self._failure: BaseException | None = None
+
+    def _run(self) -> None:
+        try:
+            self.server.run(sockets=[self._socket])
+        except BaseException as exc:  # reported by start(); the thread must not die silently
+            self._failure = exc
+            log.exception("HTTP side port failed")
 
     def start(self) -> None:
+        """Serve; returns once uvicorn accepts on the port (raises if it could not start)."""
         self._thread.start()
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not self.server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"HTTP side port did not start on port {self.port}") from self._failure
+            time.sleep(0.01)
 
     def stop(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-
-
-class _Handler(BaseHTTPRequestHandler):
-    side: SidePort
-    protocol_version = "HTTP/1.1"
-
-    def log_message(self, format: str, *args: Any) -> None:
-        log.debug("%s " + format, self.address_string(), *args)
-
-    def do_GET(self) -> None:
-        self._handle("GET")
-
-    def do_POST(self) -> None:
-        self._handle("POST")
-
-    def do_PUT(self) -> None:
-        self._handle("PUT")
-
-    def _handle(self, method: str) -> None:
-        self._extra_headers: dict[str, str] = {}
-        try:
-            status, body, content_type = self._route(method, self.path.split("?", 1)[0])
-        except ServingError as exc:
-            status, body, content_type = exc.http_status, _json({"error": str(exc)}), "application/json"
-        except Exception:
-            log.exception("HTTP %s %s failed", method, self.path)
-            status, body, content_type = 500, _json({"error": "internal error; see the server log"}), "application/json"
-        self.send_response(status)
-        for key, value in self._extra_headers.items():
-            self.send_header(key, value)
-        self._extra_headers = {}
-        self.send_header("Content-Type", content_type)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def _route(self, method: str, path: str) -> tuple[int, bytes, str]:
-        plane = self.side.dataplane
-        if method == "GET" and path in ("/health/live", "/v2/health/live"):
-            return _status(plane.live(), "live")
-        if method == "GET" and path in ("/health/ready", "/v2/health/ready"):
-            return _status(plane.ready(), "ready")
-        if method == "GET" and path == "/metrics":
-            return 200, generate_latest(self.side.metrics.registry), CONTENT_TYPE_LATEST
-        if method == "GET" and path == "/v2":
-            return (
-                200,
-                _json({"name": self.side.server_name, "version": self.side.server_version, "extensions": []}),
-                "application/json",
-            )
-        match = _MODEL.match(path)
-        if match is None:
-            return 404, _json({"error": f"no route {method} {path}"}), "application/json"
-        name, version, rest = match["name"], match["version"] or "", match["rest"] or ""
-        if rest == "/traffic":
-            return self._traffic(method, name, version)
-        if method == "GET" and rest == "/ready":
-            return _status(plane.model_ready(name, version), "ready")
-        if method == "GET" and not rest:
-            meta = plane.metadata(name, version)
-            return 200, _json(metadata_to_json(meta)), "application/json"
-        if method == "POST" and rest == "/infer":
-            return self._infer(name, version)
-        return 405, _json({"error": f"{method} not allowed on {path}"}), "application/json"
-
-    def _infer(self, name: str, version: str) -> tuple[int, bytes, str]:
-        header = self.headers.get(BINARY_HEADER)
-        if header is None:
-            request = request_from_json(name, version, self._body())
-        else:
-            raw = self._raw_body()
-            try:
-                split = int(header)
-            except ValueError as exc:
-                raise InvalidInput(f"{BINARY_HEADER} {header!r} is not a byte count") from exc
-            if not 0 <= split <= len(raw):
-                raise InvalidInput(f"{BINARY_HEADER} {split} is outside the {len(raw)}-byte body")
-            request = request_from_json(name, version, _parse_json(raw[:split]), binary=raw[split:])
-        response = self.side.dataplane.infer(request)
-        if request.raw_output:
-            body, split = response_to_binary(response)
-            self._extra_headers = {BINARY_HEADER: str(split)}
-            return 200, body, "application/octet-stream"
-        return 200, _json(response_to_json(response)), "application/json"
-
-    def _traffic(self, method: str, name: str, version: str) -> tuple[int, bytes, str]:
-        if version:
-            raise InvalidInput("traffic weights are per model: use /v2/models/<name>/traffic without a version")
-        self._authorise()
-        plane = self.side.dataplane
-        if method == "GET":
-            return 200, _json({"model_name": name, "weights": plane.weights(name)}), "application/json"
-        if method in ("PUT", "POST"):
-            body = self._body()
-            weights = body.get("weights")
-            if not isinstance(weights, dict) or not all(isinstance(v, int) for v in weights.values()):
-                raise InvalidInput('body must be {"weights": {"<version>": <integer weight>, ...}}')
-            return 200, _json({"model_name": name, "weights": plane.set_weights(name, weights)}), "application/json"
-        return 405, _json({"error": f"{method} not allowed on traffic"}), "application/json"
-
-    def _authorise(self) -> None:
-        token = self.side.admin_token
-        if not token:
-            raise Unauthenticated("admin calls are disabled: set SLUICEGATE_SERVING__ADMIN_TOKEN on the server")
-        given = self.headers.get("Authorization", "")
-        if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
-            raise Unauthenticated("admin call without the right bearer token (Authorization: Bearer <token>)")
-
-    def _raw_body(self) -> bytes:
-        length = int(self.headers.get("Content-Length") or 0)
-        if length > MAX_BODY:
-            raise InvalidInput(f"request body of {length} bytes is over the {MAX_BODY} byte limit")
-        return self.rfile.read(length)
-
-    def _body(self) -> dict[str, Any]:
-        return _parse_json(self._raw_body())
-
-
-def _parse_json(raw: bytes) -> dict[str, Any]:
-    try:
-        body = json.loads(raw or b"{}")
-    except ValueError as exc:
-        raise InvalidInput(f"request body is not JSON: {exc}") from exc
-    if not isinstance(body, dict):
-        raise InvalidInput("request body must be a JSON object")
-    return body
-
-
-def _status(ok: bool, what: str) -> tuple[int, bytes, str]:
-    # The status code is what probes read; the JSON body is what KServe's REST client parses.
-    return (200 if ok else 503), _json({what: ok}), "application/json"
-
-
-def _json(payload: Any) -> bytes:
-    return json.dumps(payload, default=str).encode()
+        """Stop accepting, let in-flight requests finish (up to drain_timeout_s), close the port."""
+        self.server.should_exit = True
+        if self._thread.is_alive():
+            self._thread.join(self.settings.drain_timeout_s + 5)
+        self._socket.close()

@@ -20,6 +20,7 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.exc import DBAPIError, DisconnectionError, InterfaceError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
+from serving.redact import mask_url
 from sluicegate.errors import SchemaOutdated, StoreUnavailable
 
 log = logging.getLogger(__name__)
@@ -65,7 +66,8 @@ class MetadataStore:
     @property
     def url_redacted(self) -> str:
         """The URL with its password masked, safe for logs and error messages."""
-        return self._url.render_as_string(hide_password=True)
+        # The one masking helper (serving/redact.py), not sqlalchemy's: one rule for every URL we print.
+        return mask_url(self._url.render_as_string(hide_password=False))
 
     @property
     def engine(self) -> Engine:

@@ -1,9 +1,12 @@
 """Finding a served request in the model server's JSON request logs (``serving/observability/logs.py``).
 
 The server writes one JSON object per line; a request's own line comes from the ``serving.requests``
-logger and carries ``REQUEST_FIELDS`` (request id, model name and version, input hash, ...). Other
+logger and carries ``REQUEST_FIELDS`` (request id, model name and version, input digest, ...). Other
 lines (startup messages, warnings bound to the request's context, anything a native library prints)
 are skipped. The request id is whatever the client sent, or 32 hex characters the server assigned.
+
+The input digest is ``"xxh3-128:<32 hex>"`` (field ``input_digest``); lines written before it carry a
+bare sha256 hex in ``input_hash``, read here as ``"sha256:<64 hex>"``, so the algorithm is always named.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ class RequestLine:
     request_id: str
     model_name: str
     model_version: str
-    input_hash: str | None
+    input_digest: str | None  # "<algorithm>:<hex>" (xxh3-128, or sha256 in older logs)
     timestamp: str
     status: str
     runtime: str | None
@@ -134,7 +137,7 @@ def _line(record: dict[str, Any], source: str) -> RequestLine:
         request_id=str(record["request_id"]),
         model_name=str(record.get("model_name") or ""),
         model_version=str(record.get("model_version") or ""),
-        input_hash=text("input_hash"),
+        input_digest=_digest(record),
         timestamp=str(record.get("timestamp") or ""),
         status=str(record.get("status") or ""),
         runtime=text("runtime"),
@@ -143,3 +146,11 @@ def _line(record: dict[str, Any], source: str) -> RequestLine:
         trace_id=text("trace_id"),
         source=source,
     )
+
+
+def _digest(record: dict[str, Any]) -> str | None:
+    value = record.get("input_digest")
+    if value is not None:
+        return str(value)
+    legacy = record.get("input_hash")  # before XXH3: a bare sha256 hex
+    return None if legacy is None else f"sha256:{legacy}"

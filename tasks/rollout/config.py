@@ -11,7 +11,7 @@ import httpx
 
 from sluicegate.errors import ConfigError
 from sluicegate.settings import Settings
-from tasks.rollout.local import Fetch, LocalPlatform
+from tasks.rollout.local import Fetch, LocalPlatform, client_tls
 from tasks.rollout.metrics import MetricsSource, PrometheusSource, ScrapeSource
 from tasks.rollout.plan import CustomCheck, RolloutPlan, Thresholds
 from tasks.rollout.platform import RolloutPlatform
@@ -85,6 +85,7 @@ def platform_from_settings(settings: Settings, fetch: Fetch | None = None) -> Ro
         token,
         fetch=fetch,
         ready_timeout_s=r.ready_timeout_seconds,
+        tls=client_tls(r),
     )
 
 
@@ -94,7 +95,11 @@ def source_from_settings(settings: Settings) -> MetricsSource:
         return PrometheusSource(r.prometheus_url)
     if r.custom_checks:
         raise ConfigError("SLUICEGATE_ROLLOUT__CUSTOM_CHECKS are PromQL: set SLUICEGATE_ROLLOUT__PROMETHEUS_URL too")
-    return ScrapeSource(list(r.metrics_urls) or [f"{r.local_http.rstrip('/')}/metrics"])
+    tls = client_tls(r)
+    return ScrapeSource(
+        list(r.metrics_urls) or [f"{r.local_http.rstrip('/')}/metrics"],
+        verify=tls.ssl_context() if tls is not None else True,
+    )
 
 
 def alertmanager_notifier(url: str | None) -> Callable[[str, str, str], None] | None:

@@ -13,16 +13,21 @@ where it acts, so a re-run after a crash reads it back.
 Order matters for the traffic: weights are pinned to stable *before* a canary is loaded (with no
 weights, the server sends everything to the newest version), and moved to stable before a canary is
 unloaded.
+
+With TLS on the server (``SLUICEGATE_SERVING__TLS_*``), ``ClientTls`` (from ``rollout.tls_*``) makes both
+admin clients verify it against the CA and, for mutual TLS, present the client certificate.
 """
 
 from __future__ import annotations
 
 import json
 import shutil
+import ssl
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 import httpx
@@ -31,7 +36,50 @@ from serving.proto import grpc_service_pb2 as pb
 from serving.proto import grpc_service_pb2_grpc as pb_grpc
 from tasks.rollout.platform import PlatformError, PlatformState
 
+if TYPE_CHECKING:
+    from sluicegate.settings import RolloutSettings
+
 Fetch = Callable[[str, str, Path], None]  # (model, version, destination folder) -> the version's files there
+
+
+@dataclass(frozen=True)
+class ClientTls:
+    """What a client of a TLS model server uses: the CA that signed the server's certificate (None: the
+    system's trust store) and, for mutual TLS, the client certificate and its key."""
+
+    ca_file: Path | None = None
+    cert_file: Path | None = None
+    key_file: Path | None = None
+
+    def _read(self, path: Path | None) -> bytes | None:
+        try:
+            return path.read_bytes() if path is not None else None
+        except OSError as exc:
+            raise PlatformError(f"cannot read the TLS file {path}: {exc}") from exc
+
+    def grpc_credentials(self) -> grpc.ChannelCredentials:
+        return grpc.ssl_channel_credentials(
+            root_certificates=self._read(self.ca_file),
+            private_key=self._read(self.key_file),
+            certificate_chain=self._read(self.cert_file),
+        )
+
+    def ssl_context(self) -> ssl.SSLContext:
+        """For httpx's ``verify=``."""
+        try:
+            context = ssl.create_default_context(cafile=str(self.ca_file) if self.ca_file else None)
+            if self.cert_file is not None:
+                context.load_cert_chain(str(self.cert_file), str(self.key_file) if self.key_file else None)
+        except (OSError, ssl.SSLError) as exc:
+            raise PlatformError(f"cannot load the TLS files {self}: {exc}") from exc
+        return context
+
+
+def client_tls(rollout: RolloutSettings) -> ClientTls | None:
+    """The rollout settings' TLS for the local server's clients; None: plaintext."""
+    if not rollout.client_tls:
+        return None
+    return ClientTls(rollout.tls_ca_file, rollout.tls_client_cert_file, rollout.tls_client_key_file)
 
 
 class LocalPlatform:
@@ -44,6 +92,7 @@ class LocalPlatform:
         admin_token: The server's ``SLUICEGATE_SERVING__ADMIN_TOKEN``.
         fetch: Puts a version's files into the repository when it is not there yet.
         ready_timeout_s: How long a freshly loaded version may take to be ready.
+        tls: The server's CA (and client certificate) when it serves TLS; ``http_url`` is then https://.
     """
 
     name = "local"
@@ -57,10 +106,19 @@ class LocalPlatform:
         *,
         fetch: Fetch | None = None,
         ready_timeout_s: float = 120.0,
+        tls: ClientTls | None = None,
     ) -> None:
         self.repository, self.grpc_target, self.http_url = Path(repository), grpc_target, http_url.rstrip("/")
+        if tls is not None and not self.http_url.startswith("https://"):
+            raise PlatformError(f"TLS is set but the side port URL {http_url!r} is not https://")
+        self.tls = tls
+        self._token = admin_token
         # One client for the platform's life (a client per call cost 50-100 ms here), token on every call.
-        self._http = httpx.Client(headers={"Authorization": f"Bearer {admin_token}"}, timeout=10)
+        self._http = httpx.Client(
+            headers={"Authorization": f"Bearer {admin_token}"},
+            timeout=10,
+            verify=tls.ssl_context() if tls is not None else True,
+        )
         self.fetch, self.ready_timeout_s = fetch, ready_timeout_s
 
     # -- the interface ----------------------------------------------------------------------------
@@ -178,13 +236,19 @@ class LocalPlatform:
         self._load(model)  # unloads the version now gone from the folder, after its in-flight requests
 
     def _channel(self) -> grpc.Channel:
+        if self.tls is not None:
+            return grpc.secure_channel(self.grpc_target, self.tls.grpc_credentials())
         return grpc.insecure_channel(self.grpc_target)
 
     def _load(self, model: str) -> None:
         with self._channel() as channel:
             stub = pb_grpc.GRPCInferenceServiceStub(channel)  # type: ignore[no-untyped-call]
             try:
-                stub.RepositoryModelLoad(pb.RepositoryModelLoadRequest(model_name=model), timeout=self.ready_timeout_s)
+                stub.RepositoryModelLoad(
+                    pb.RepositoryModelLoadRequest(model_name=model),
+                    timeout=self.ready_timeout_s,
+                    metadata=(("authorization", f"Bearer {self._token}"),),  # loading changes what is served
+                )
             except grpc.RpcError as exc:
                 raise PlatformError(
                     f"the server at {self.grpc_target} could not (re)load {model!r}: {exc.code().name} {exc.details()}"

@@ -14,6 +14,7 @@ Both return ``VersionMetrics`` for one version over the window that began at ``b
 from __future__ import annotations
 
 import math
+import ssl
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -84,14 +85,15 @@ class ScrapeSource:
     Args:
         urls: The servers' metrics endpoints, e.g. ``http://127.0.0.1:8000/metrics``.
         timeout_s: Per scrape.
+        verify: httpx's ``verify=``: an SSL context with the servers' CA (and client certificate) for TLS.
     """
 
-    def __init__(self, urls: Sequence[str], *, timeout_s: float = 5.0) -> None:
+    def __init__(self, urls: Sequence[str], *, timeout_s: float = 5.0, verify: ssl.SSLContext | bool = True) -> None:
         if not urls:
             raise ValueError("ScrapeSource needs at least one /metrics URL")
         self.urls, self.timeout_s = list(urls), timeout_s
         # One client for the source's life: building one per call cost 50-100 ms here (benchmarks).
-        self._http = httpx.Client(timeout=timeout_s)
+        self._http = httpx.Client(timeout=timeout_s, verify=verify)
 
     def begin(self, model: str) -> ScrapeSnapshot:
         return self._scrape(model)

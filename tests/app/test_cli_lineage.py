@@ -59,6 +59,7 @@ def test_walks_with_mlflow_from_alias_request_and_data(
     assert tree.exit_code == 0, tree.output
     for expected in (history.FIRST, "best val accuracy 0.8000", "NVIDIA H200", "promoted", "champion -> this"):
         assert expected in tree.output
+    assert f"input {history.INPUT_DIGEST}" in tree.output  # the digest is shown with its algorithm
     assert "3 objects" in tree.output and "manifest-ver-1" in tree.output
 
     piped = run(history.CLIENT_REQUEST_ID, "--logs", "-", stdin=(tmp_path / "logs" / "serving.log").read_text())

@@ -27,6 +27,7 @@ K8S_VERSIONS = ("1.31.0", kubernetes_validate.latest_version())
 CRD_SCHEMAS = {
     ("networking.istio.io/v1", "DestinationRule"): "destinationrule.json",
     ("networking.istio.io/v1", "VirtualService"): "virtualservice.json",
+    ("security.istio.io/v1", "PeerAuthentication"): "peerauthentication.json",
     ("monitoring.coreos.com/v1", "PodMonitor"): "podmonitor.json",
 }
 
@@ -107,6 +108,12 @@ def _typo_in_podmonitor(objects: list[Obj]) -> Obj:
     return monitor
 
 
+def _typo_in_mtls_mode(objects: list[Obj]) -> Obj:
+    peer_authentication = one(objects, "PeerAuthentication", MODEL)
+    peer_authentication["spec"]["mtls"]["mode"] = "STRICTLY"
+    return peer_authentication
+
+
 def _crd_without_schema(objects: list[Obj]) -> Obj:
     virtual_service = one(objects, "VirtualService", MODEL)
     virtual_service["apiVersion"] = "networking.istio.io/v1beta1"
@@ -121,6 +128,7 @@ def _crd_without_schema(objects: list[Obj]) -> Obj:
         (_wrong_type, r"'8001' is not of type 'integer'"),
         (_typo_in_weight, r"weightPercent"),
         (_typo_in_podmonitor, r"scrapeInterval"),
+        (_typo_in_mtls_mode, r"'STRICTLY' is not one of"),
         (_crd_without_schema, r"Couldn't find schema for kind VirtualService"),
     ],
     ids=[
@@ -129,6 +137,7 @@ def _crd_without_schema(objects: list[Obj]) -> Obj:
         "service-port-string",
         "vs-weight-typo",
         "podmonitor-typo",
+        "peerauthentication-mode-typo",
         "crd-no-schema",
     ],
 )

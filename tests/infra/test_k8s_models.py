@@ -34,6 +34,7 @@ SHARED_KINDS = {"Namespace", "ServiceAccount", "Role", "RoleBinding"}
 POD_SELECTORS = {
     "Service": (("spec", "selector"), "model"),
     "PodMonitor": (("spec", "selector", "matchLabels"), "model"),
+    "PeerAuthentication": (("spec", "selector", "matchLabels"), "model"),
     "Deployment": (("spec", "selector", "matchLabels"), "track"),
     "PodDisruptionBudget": (("spec", "selector", "matchLabels"), "stable"),
 }

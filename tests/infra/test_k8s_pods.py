@@ -1,7 +1,9 @@
 """The serving pods of the Kubernetes manifests (infra/k8s), for every model in every stack: one
 namespace, two tracks (stable, canary) running the same pod with the canary at zero, ports and probes
 that fit the drain, server settings that are ServingSettings fields, a locked-down security context, the
-sysctls for many gRPC connections, and the model's CPU, memory and GPU or MIG resources."""
+sysctls for many gRPC connections, and the model's CPU, memory and GPU or MIG resources. Without a mesh
+the server serves TLS from its Secret; with Istio it leaves encryption to the mesh's mutual TLS (the
+PeerAuthentication and DestinationRule are checked in test_k8s_routing.py)."""
 
 from __future__ import annotations
 
@@ -52,6 +54,12 @@ SAFE_SYSCTLS = {
 SYSCTLS = {"net.ipv4.ip_local_port_range": "1024 65535", "net.ipv4.tcp_fin_timeout": "15", "net.ipv4.tcp_tw_reuse": "1"}
 CLUSTER_SCOPED = {"Namespace"}
 STACK_MODELS = [(stack, model) for stack in STACKS for model in MODELS]
+# The stacks whose server terminates TLS itself; under Istio the mesh's mutual TLS replaces it (the
+# sidecars must read HTTP/2 to split requests by weight).
+SERVER_TLS_STACKS = ("plain", "mig")
+SERVER_TLS_MODELS = [(stack, model) for stack in SERVER_TLS_STACKS for model in MODELS]
+TLS_SETTINGS = {f"{SETTINGS_PREFIX}{name.upper()}" for name in ServingSettings.model_fields if name.startswith("tls_")}
+PROBES = ("startupProbe", "livenessProbe", "readinessProbe")
 
 
 # --- properties of every model in every stack ------------------------------------------------------
@@ -116,7 +124,7 @@ def test_ports_and_probes(stack: str, model: str) -> None:
         container = server(deployment)
         ports = {p["name"]: p["containerPort"] for p in container["ports"]}
         assert ports == {"grpc": settings.grpc_port, "http": settings.http_port} == {"grpc": 8001, "http": 8000}
-        probes = {kind: container[kind] for kind in ("startupProbe", "livenessProbe", "readinessProbe")}
+        probes = {kind: container[kind] for kind in PROBES}
         paths = {kind: (p["httpGet"]["path"], p["httpGet"]["port"]) for kind, p in probes.items()}
         assert paths == {
             "startupProbe": ("/health/live", "http"),
@@ -125,10 +133,96 @@ def test_ports_and_probes(stack: str, model: str) -> None:
         }
         startup = probes["startupProbe"]
         assert startup["failureThreshold"] * startup["periodSeconds"] >= 600, "10 minutes for engine warm-up"
+        # Under Istio the injector rewrites HTTP probes to its agent, which calls the server on localhost.
+        scheme = "HTTPS" if stack in SERVER_TLS_STACKS else "HTTP"
+        for kind, probe in probes.items():
+            assert probe["httpGet"].get("scheme", "HTTP") == scheme, f"{kind}: the HTTP port serves {scheme}"
+            assert "grpc" not in probe, f"{kind}: a gRPC probe does not do TLS"
+
+
+def _setting(objects: list[Obj], deployment: Obj, name: str) -> float:
+    """A ServingSettings number as the pod gets it: the manifests' env, else the field's default."""
+    value = serving_env(objects, deployment).get(SETTINGS_PREFIX + name.upper())
+    return float(value if value is not None else ServingSettings.model_fields[name].default)
+
+
+@pytest.mark.parametrize(("stack", "model"), STACK_MODELS)
+def test_shutdown_fits_the_grace_period(stack: str, model: str) -> None:
+    """On SIGTERM the server keeps serving while not ready (shutdown_delay_s), then drains
+    (drain_timeout_s); the kubelet kills the pod terminationGracePeriodSeconds after SIGTERM. Set
+    explicitly in the manifests, and the server's own delay replaces a preStop sleep."""
+    objects = build_model(stack, model)
+    for deployment in deployments(objects, model).values():
+        container = server(deployment)
+        explicit = {e["name"] for e in container["env"]}
+        assert {"SLUICEGATE_SERVING__SHUTDOWN_DELAY_S", "SLUICEGATE_SERVING__DRAIN_TIMEOUT_S"} <= explicit
+        delay = _setting(objects, deployment, "shutdown_delay_s")
+        drain = _setting(objects, deployment, "drain_timeout_s")
+        pre_stop = container.get("lifecycle", {}).get("preStop", {}).get("sleep", {}).get("seconds", 0)
         grace = deployment["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
-        pre_stop = container["lifecycle"]["preStop"]["sleep"]["seconds"]
-        drain = float(serving_env(objects, deployment)["SLUICEGATE_SERVING__DRAIN_TIMEOUT_S"])
-        assert pre_stop + drain < grace, "the drain must finish before the kubelet kills the pod"
+        assert grace > pre_stop + delay + drain, "the drain must finish before the kubelet kills the pod"
+        assert delay > 0, "endpoints need a moment to drop the pod before it stops accepting"
+
+
+def _server_settings(objects: list[Obj], deployment: Obj) -> ServingSettings:
+    return ServingSettings.model_validate(
+        {k.removeprefix(SETTINGS_PREFIX).lower(): v for k, v in serving_env(objects, deployment).items()
+         if k.startswith(SETTINGS_PREFIX)}
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(("stack", "model"), SERVER_TLS_MODELS)
+def test_the_server_serves_tls_from_its_secret(stack: str, model: str) -> None:
+    objects = build_model(stack, model)
+    for deployment in deployments(objects, model).values():
+        pod, container = deployment["spec"]["template"]["spec"], server(deployment)
+        settings = _server_settings(objects, deployment)
+        assert settings.tls, "TLS is on by default in the manifests"
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        mounted = {}
+        for mount in container["volumeMounts"]:
+            if "secret" in volumes[mount["name"]]:
+                assert mount.get("readOnly") is True
+                mounted[mount["mountPath"]] = volumes[mount["name"]]["secret"]
+        files = {settings.tls_cert_file, settings.tls_key_file}
+        [(folder, secret)] = mounted.items()
+        assert {str(f.parent) for f in files if f is not None} == {folder}
+        assert {f.name for f in files if f is not None} == {"tls.crt", "tls.key"}, "a kubernetes.io/tls Secret's keys"
+        assert secret["secretName"] == f"{model}-serving-tls"
+        assert not secret.get("optional"), "a pod without its certificate must not start in plain text"
+        assert secret.get("defaultMode", 0o644) & 0o007 == 0, "the key is not world-readable"
+        for kind in PROBES:
+            assert container[kind]["httpGet"]["scheme"] == "HTTPS", kind
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_under_istio_the_server_leaves_tls_to_the_mesh(model: str) -> None:
+    """The sidecars split requests by weight at the HTTP/2 level, which they cannot do inside TLS the
+    server terminates: with the istio component the server serves plain text to its own sidecar only
+    (the STRICT PeerAuthentication, test_k8s_routing.py), with no TLS setting, no certificate mounted
+    and HTTP probes; the rest of the pod is the one the other stacks run."""
+    objects = build_model("istio", model)
+    for track, deployment in deployments(objects, model).items():
+        pod, container = deployment["spec"]["template"]["spec"], server(deployment)
+        assert not _server_settings(objects, deployment).tls, f"{track}: the server terminates TLS"
+        names = {e["name"] for e in container["env"]} | set(serving_env(objects, deployment))
+        assert not names & TLS_SETTINGS, f"{track}: TLS settings left: {sorted(names & TLS_SETTINGS)}"
+        assert not [v["name"] for v in pod["volumes"] if "secret" in v], f"{track}: a Secret is still mounted"
+        assert "/etc/sluicegate/tls" not in {m["mountPath"] for m in container["volumeMounts"]}
+        assert {container[kind]["httpGet"].get("scheme", "HTTP") for kind in PROBES} == {"HTTP"}
+        # What the mesh changes, and nothing else: the same pod as without it once TLS is taken out.
+        [plain] = [d for d in deployments(build_model("plain", model), model).values()
+                   if d["metadata"]["name"] == deployment["metadata"]["name"]]  # fmt: skip
+        plain_pod = copy.deepcopy(plain["spec"]["template"])
+        plain_server = plain_pod["spec"]["containers"][0]
+        plain_server["env"] = [e for e in plain_server["env"] if e["name"] not in TLS_SETTINGS]
+        plain_server["volumeMounts"] = [m for m in plain_server["volumeMounts"] if m["name"] != "tls"]
+        plain_pod["spec"]["volumes"] = [v for v in plain_pod["spec"]["volumes"] if v["name"] != "tls"]
+        for kind in PROBES:
+            plain_server[kind]["httpGet"]["scheme"] = "HTTP"
+        istio_pod = copy.deepcopy(deployment["spec"]["template"])
+        istio_pod["metadata"].pop("annotations")
+        assert istio_pod == plain_pod, f"{track}: the istio component changed more than the server's TLS"
 
 
 @pytest.mark.parametrize("stack", STACKS)

@@ -1,8 +1,10 @@
 """How traffic reaches the serving pods and who may move it, in the Kubernetes manifests (infra/k8s):
-the Service selects both tracks, a disruption budget and an autoscaler cover stable, the rollout
-controller's Role is least privilege, the Ingress terminates TLS and speaks gRPC, a PodMonitor scrapes
-the metrics, and with Istio each model splits by weight (the replica-ratio stacks have no Istio objects).
-Every model of a stack, each with its own objects."""
+the Service selects both tracks, a disruption budget and an autoscaler cover stable, the Ingress
+terminates TLS and speaks gRPC (over TLS to the pods without a mesh, to nginx's sidecar with one), a
+PodMonitor scrapes the metrics, and with Istio each model splits by weight, the mesh's STRICT mutual
+TLS in place of the server's own (the replica-ratio stacks have no Istio objects). Every model of a
+stack, each with its own objects, and none serving plain text outside a mesh. The rollout controller's
+Role, derived from the requests it sends, is checked in test_rollout_rbac.py."""
 
 from __future__ import annotations
 
@@ -26,23 +28,13 @@ from tests.infra.k8s_manifests import (
 )
 
 STACK_MODELS = [(stack, model) for stack in STACKS for model in MODELS]
+# Istio's metrics merging: the injector turns these into its agent's port and path, and the agent reads
+# the server's /metrics on localhost.
+MERGED_METRICS = {"prometheus.io/scrape": "true", "prometheus.io/port": "8000", "prometheus.io/path": "/metrics"}
 
 
 def service_host(model: str) -> str:
     return f"{model}.{NAMESPACE}.svc.cluster.local"
-
-
-# What the rollout controller may do: (apiGroup, resource) -> verbs. Anything more is a finding.
-ROLLOUT_RULES = {
-    ("apps", "deployments"): {"get", "list", "watch", "create", "patch", "delete"},
-    ("apps", "deployments/scale"): {"get", "patch"},
-    ("apps", "replicasets"): {"get", "list"},
-    ("", "services"): {"get", "list", "patch"},
-}
-ISTIO_RULES = {
-    ("networking.istio.io", "destinationrules"): {"get", "list", "create", "patch"},
-    ("networking.istio.io", "virtualservices"): {"get", "list", "create", "patch"},
-}
 
 
 @pytest.mark.parametrize(("stack", "model"), STACK_MODELS)
@@ -83,35 +75,15 @@ def test_disruption_budget_and_autoscaler_cover_stable(stack: str, model: str) -
             assert metric["containerResource"]["container"] in containers
 
 
-@pytest.mark.parametrize("stack", STACKS)
-def test_rollout_role_is_least_privilege(stack: str) -> None:
-    objects = build(stack)
-    role = one(objects, "Role", "sluicegate-rollout")
-    granted: dict[tuple[str, str], set[str]] = {}
-    for rule in role["rules"]:
-        assert "resourceNames" not in rule and "nonResourceURLs" not in rule
-        for field in ("apiGroups", "resources", "verbs"):
-            assert not any("*" in value for value in rule[field]), f"wildcard in {field}: {rule}"
-        assert not any("secret" in resource for resource in rule["resources"]), f"secrets access: {rule}"
-        for group in rule["apiGroups"]:
-            for resource in rule["resources"]:
-                granted.setdefault((group, resource), set()).update(rule["verbs"])
-    expected = ROLLOUT_RULES | (ISTIO_RULES if stack == "istio" else {})
-    assert granted == expected
-    assert not of_kind(objects, "ClusterRole") and not of_kind(objects, "ClusterRoleBinding")
-    binding = one(objects, "RoleBinding", "sluicegate-rollout")
-    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "sluicegate-rollout"}
-    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "sluicegate-rollout", "namespace": NAMESPACE}]
-    one(objects, "ServiceAccount", "sluicegate-rollout")
-    for deployment in of_kind(objects, "Deployment"):
-        assert deployment["spec"]["template"]["spec"]["serviceAccountName"] != "sluicegate-rollout"
-
-
 @pytest.mark.parametrize(("stack", "model"), STACK_MODELS)
 def test_ingress_terminates_tls_and_speaks_grpc(stack: str, model: str) -> None:
     ingress = one(build_model(stack, model), "Ingress", model)
     annotations = ingress["metadata"]["annotations"]
-    assert annotations["nginx.ingress.kubernetes.io/backend-protocol"] == "GRPC"
+    protocol = annotations["nginx.ingress.kubernetes.io/backend-protocol"]
+    if stack == "istio":
+        assert protocol == "GRPC", "nginx's own sidecar reads the requests to route them, then opens mTLS"
+    else:
+        assert protocol == "GRPCS", "the pods serve TLS"
     [tls] = ingress["spec"]["tls"]
     assert tls["secretName"]
     [rule] = ingress["spec"]["rules"]
@@ -131,11 +103,33 @@ def test_podmonitor_scrapes_metrics_every_15s(stack: str, model: str) -> None:
     objects = build_model(stack, model)
     monitor = one(objects, "PodMonitor", model)
     [endpoint] = monitor["spec"]["podMetricsEndpoints"]
-    assert (endpoint["port"], endpoint["path"], endpoint["interval"]) == ("http", "/metrics", "15s")
+    assert (endpoint["port"], endpoint["interval"]) == ("http", "15s")
+    assert monitor["spec"]["podTargetLabels"] == ["sluicegate.io/track"]
     selector = monitor["spec"]["selector"]["matchLabels"]
     for deployment in deployments(objects, model).values():
         assert selector.items() <= deployment["spec"]["template"]["metadata"]["labels"].items()
-        assert "prometheus.io/scrape" not in deployment["spec"]["template"]["metadata"].get("annotations", {})
+        annotations = deployment["spec"]["template"]["metadata"].get("annotations", {})
+        prometheus = {key: value for key, value in annotations.items() if key.startswith("prometheus.io/")}
+        assert prometheus == (MERGED_METRICS if stack == "istio" else {})
+    if stack == "istio":
+        # STRICT mTLS keeps Prometheus (outside the mesh) off port 8000: it reads the sidecar agent's
+        # merged metrics in plain text, at the port the injector writes into prometheus.io/port.
+        assert (endpoint["path"], endpoint["scheme"]) == ("/stats/prometheus", "http")
+        assert "tlsConfig" not in endpoint
+        [relabel] = endpoint["relabelings"]
+        assert relabel["sourceLabels"] == ["__address__", "__meta_kubernetes_pod_annotation_prometheus_io_port"]
+        assert relabel["targetLabel"] == "__address__" and relabel.get("action", "replace") == "replace"
+        # Prometheus joins the source labels with ";", anchors the regex and expands $1 in the replacement.
+        for address, expected in (("10.1.2.3:8000", "10.1.2.3:15020"), ("[fd00::1]:8000", "[fd00::1]:15020")):
+            joined = f"{address};15020"
+            replacement = re.sub(r"\$(\d)", r"\\\1", relabel["replacement"])
+            assert re.sub(f"^(?:{relabel['regex']})$", replacement, joined) == expected
+    else:
+        assert (endpoint["path"], endpoint["scheme"]) == ("/metrics", "https"), "the pods serve TLS"
+        tls = endpoint["tlsConfig"]
+        assert tls["ca"]["secret"] == {"name": f"{model}-serving-tls", "key": "ca.crt"}
+        assert tls["serverName"] == f"{model}.{NAMESPACE}.svc", "pod IPs are in no certificate"
+        assert "relabelings" not in endpoint
 
 
 @pytest.mark.parametrize("model", MODELS)
@@ -159,6 +153,53 @@ def test_istio_splits_by_weight_with_all_traffic_on_stable(model: str) -> None:
         annotations = deployment["spec"]["template"]["metadata"]["annotations"]
         assert "holdApplicationUntilProxyStarts" in annotations["proxy.istio.io/config"]
     assert one(build("istio"), "Namespace", NAMESPACE)["metadata"]["labels"]["istio-injection"] == "enabled"
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_istio_enforces_mutual_tls_on_the_models_pods(model: str) -> None:
+    """The server leaves TLS to the mesh under Istio (test_k8s_pods.py), so the mesh must enforce it:
+    a STRICT PeerAuthentication on exactly this model's serving pods, both tracks, and Istio mutual TLS
+    from the client sidecars (the DestinationRule)."""
+    objects = build("istio")
+    [peer_authentication] = [
+        o for o in of_kind(objects, "PeerAuthentication") if o["metadata"]["labels"]["app.kubernetes.io/name"] == model
+    ]
+    assert peer_authentication["apiVersion"] == "security.istio.io/v1"
+    assert peer_authentication["metadata"]["name"] == model
+    assert peer_authentication["spec"]["mtls"] == {"mode": "STRICT"}
+    assert "portLevelMtls" not in peer_authentication["spec"], "no port open to plain text"
+    selector = peer_authentication["spec"]["selector"]["matchLabels"]
+    selected = {
+        d["metadata"]["name"]
+        for d in of_kind(objects, "Deployment")
+        if selector.items() <= d["spec"]["template"]["metadata"]["labels"].items()
+    }
+    assert selected == {f"{model}-{track}" for track in TRACKS}
+    rule = one(objects, "DestinationRule", model)
+    assert rule["spec"]["trafficPolicy"]["tls"] == {"mode": "ISTIO_MUTUAL"}
+    for subset in rule["spec"]["subsets"]:
+        assert "trafficPolicy" not in subset, "a subset's policy would replace the rule's TLS"
+
+
+@pytest.mark.parametrize(("stack", "model"), STACK_MODELS)
+def test_no_stack_serves_plain_text_outside_the_mesh(stack: str, model: str) -> None:
+    """Each model's pods either terminate TLS themselves (both ports, the certificate mounted) or sit
+    in the mesh behind a STRICT PeerAuthentication that selects them, never neither."""
+    objects = build(stack)
+    strict = [p["spec"]["selector"]["matchLabels"] for p in of_kind(objects, "PeerAuthentication")
+              if p["spec"]["mtls"]["mode"] == "STRICT"]  # fmt: skip
+    in_mesh = one(objects, "Namespace", NAMESPACE)["metadata"].get("labels", {}).get("istio-injection") == "enabled"
+    for deployment in deployments(objects, model).values():
+        container, labels = server(deployment), deployment["spec"]["template"]["metadata"]["labels"]
+        env = {e["name"]: e.get("value") for e in container["env"]}
+        mounts = {m["mountPath"] for m in container.get("volumeMounts", [])}
+        own_tls = {"SLUICEGATE_SERVING__TLS_CERT_FILE", "SLUICEGATE_SERVING__TLS_KEY_FILE"} <= env.keys() and all(
+            str(env[name]).rsplit("/", 1)[0] in mounts
+            for name in ("SLUICEGATE_SERVING__TLS_CERT_FILE", "SLUICEGATE_SERVING__TLS_KEY_FILE")
+        )
+        mesh_tls = in_mesh and any(selector.items() <= labels.items() for selector in strict)
+        assert own_tls != mesh_tls, f"{deployment['metadata']['name']}: TLS from the server {own_tls}, mesh {mesh_tls}"
+        assert mesh_tls == (stack == "istio")
 
 
 @pytest.mark.parametrize("stack", ["plain", "mig"])

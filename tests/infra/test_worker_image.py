@@ -38,6 +38,50 @@ def test_the_worker_image_is_non_root_on_the_cpu_torch_of_the_makefile() -> None
     assert "pip check" in text
 
 
+# -- the GPU worker image ----------------------------------------------------------------------------------
+
+GPU_DOCKERFILE = DOCKER / "worker-gpu.Dockerfile"
+# The TensorRT in each NVIDIA TensorRT container release (its release notes): an engine built by the GPU
+# worker loads in the serving image only with the same TensorRT, so the two images move together.
+TENSORRT_OF_RELEASE = {"25.01": "10.8.0.43"}
+
+
+def test_the_gpu_worker_dockerfile_lints_clean() -> None:
+    result = subprocess.run([hadolint(), "--format", "json", str(GPU_DOCKERFILE)], capture_output=True, text=True)
+    assert result.returncode == 0 and json.loads(result.stdout or "[]") == [], result.stdout
+
+
+def test_the_gpu_worker_is_the_worker_on_cuda_torch_and_the_servers_tensorrt() -> None:
+    text, cpu = GPU_DOCKERFILE.read_text(), WORKER_DOCKERFILE.read_text()
+    users = re.findall(r"^USER\s+(\S+)", text, flags=re.M)
+    assert users and not users[-1].startswith(("0", "root"))
+    # The same platform: Python, requirements file, code and install steps as the CPU image.
+    assert re.search(r"^ARG PYTHON_IMAGE=python:3\.11-slim\S*$", text, flags=re.M)
+    assert copy_sources(GPU_DOCKERFILE) == copy_sources(WORKER_DOCKERFILE)
+    assert "COPY docker/worker-requirements.txt ./requirements.txt" in text
+    assert re.search(r"^WORKDIR /opt/sluicegate$", text, flags=re.M)
+    # CUDA torch at the Makefile's (and the CPU image's) version, from a CUDA 12 index.
+    torch = re.search(r"^ARG TORCH_VERSION=(\S+)$", cpu, flags=re.M)
+    assert torch and f"ARG TORCH_VERSION={torch.group(1)}\n" in text
+    index = re.search(r"^ARG TORCH_INDEX=https://download\.pytorch\.org/whl/cu(\d+)$", text, flags=re.M)
+    assert index and index.group(1).startswith("12"), "torch built for CUDA 12, the serving image's"
+    # TensorRT pinned to the serving image's, for CUDA 12.
+    release = re.search(
+        r"^ARG TRT_IMAGE=nvcr\.io/nvidia/tensorrt:(\d+\.\d+)-py3$",
+        (DOCKER / "serving.Dockerfile").read_text(),
+        flags=re.M,
+    )
+    assert release, "serving.Dockerfile's base is no longer a pinned TensorRT release"
+    assert f"ARG TENSORRT_VERSION={TENSORRT_OF_RELEASE[release.group(1)]}\n" in text
+    assert '"tensorrt-cu12==${TENSORRT_VERSION}"' in text
+    # torch and TensorRT before the requirements, the code last, and pip check over all of it.
+    assert text.index('"torch==${TORCH_VERSION}"') < text.index("-r requirements.txt") < text.index("--no-deps .")
+    assert text.index('"tensorrt-cu12==${TENSORRT_VERSION}"') < text.index("-r requirements.txt")
+    assert "pip check" in text
+    pins = pinned()
+    assert not {"torch", "tensorrt", "tensorrt-cu12"} & set(pins), "the requirements must not pin another build"
+
+
 def copy_sources(dockerfile: Path) -> list[str]:
     text = re.sub(r"\\\n", " ", dockerfile.read_text())
     sources: list[str] = []
@@ -69,7 +113,7 @@ def ignored(path: str, patterns: list[str]) -> bool:
     return excluded
 
 
-@pytest.mark.parametrize("name", ["worker.Dockerfile", "serving.Dockerfile"])
+@pytest.mark.parametrize("name", ["worker.Dockerfile", "worker-gpu.Dockerfile", "serving.Dockerfile"])
 def test_copy_sources_exist_and_pass_the_dockerignore(name: str) -> None:
     dockerfile = DOCKER / name
     patterns = [

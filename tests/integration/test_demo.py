@@ -24,6 +24,9 @@ from sluicegate.metadata import MetadataStore
 from sluicegate.metadata.models import Deployment, PipelineRun
 from sluicegate.settings import Settings
 from tasks import registry, tracking
+from tasks.rollout.config import admin_token_file
+from tests.fixtures.services import free_port
+from tests.integration import secrets_scan
 from tests.integration.test_stack import stack_settings
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -35,11 +38,21 @@ STEPS = [
 ]
 
 
+PLANTED_DB_PASSWORD = "Planted-Pg-Pa55word"
+PLANTED_S3_SECRET = "Planted-S3-Secret-Key"
+
+
 def test_the_demo_chain_from_first_push_to_a_canary_promoted_under_traffic(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fresh_postgres_url: str
 ) -> None:
+    # Secrets planted where an operator's would be: a password in the metadata store's URL (the test
+    # cluster trusts local connections, so it is carried everywhere but never checked) and an S3 secret
+    # key (moto accepts any). After the demo, neither may be found in any log, state or answer.
+    metadata_url = fresh_postgres_url.replace("://postgres@", f"://postgres:{PLANTED_DB_PASSWORD}@")
     settings = stack_settings(
         tmp_path,
+        metadata={"url": metadata_url},
+        storage={"port": free_port(), "access_key_id": "planted-access", "secret_access_key": PLANTED_S3_SECRET},
         # Epochs from the set's size (60 for the first version's 112 training images): enough steps for
         # the train gate's smoothed curve; width 8 keeps it quick.
         training={"width": 8},
@@ -90,6 +103,15 @@ def test_the_demo_chain_from_first_push_to_a_canary_promoted_under_traffic(
         assert stack.status(settings)[0] == stack.READY
 
         assert_request_traced(settings, monkeypatch, first, improved)
+
+        token = stack.local_admin_token(settings)
+        leaks = secrets_scan.scan(
+            settings,
+            [PLANTED_DB_PASSWORD, PLANTED_S3_SECRET, token],
+            console=output,
+            keepers=[admin_token_file(settings)],
+        )
+        assert leaks == [], leaks
     finally:
         stack.down(settings)
 

@@ -23,15 +23,13 @@ from serving.model_format import read_config
 from serving.preprocessing import PreprocessSpec, preprocess
 from serving.proto import grpc_service_pb2 as pb
 from serving.proto import grpc_service_pb2_grpc as pb_grpc
-from sluicegate.app import stack
-from sluicegate.errors import StackError
 from sluicegate.settings import Settings
 from tasks import registry, tracking
 from tasks.build import repository_root
 from tasks.real_datasets import write_digits
 from tasks.sample_data import make_sample
 from tasks.transfer import push_directory
-from tests.integration.test_stack import stack_settings, wait_for_run
+from tests.integration.test_stack import stack_running, stack_settings, wait_for_run
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -57,14 +55,7 @@ def many_models(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Settings]:
     specs = settings.home / "models"
     specs.mkdir(parents=True)
     (specs / "pcb-classifier.yaml").write_text(PCB_SPEC)
-    try:
-        state, started = stack.up(settings)
-    except StackError:
-        stack.down(settings)
-        raise
-    assert started and state.status == stack.READY
-    yield settings
-    stack.down(settings)
+    yield from stack_running(settings)
 
 
 def push(settings: Settings, directory: Path, name: str, label: str) -> str:

@@ -63,9 +63,8 @@ def all_pids(settings: Settings) -> set[int]:
     return pids
 
 
-@pytest.fixture(scope="module")
-def running_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Settings]:
-    settings = stack_settings(tmp_path_factory.mktemp("stack"))
+def stack_running(settings: Settings) -> Iterator[Settings]:
+    """The body of a stack fixture: up (down again if it fails to come up), yield, down."""
     try:
         state, started = stack.up(settings)
     except StackError:
@@ -74,6 +73,11 @@ def running_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Settings
     assert started and state.status == stack.READY
     yield settings
     stack.down(settings)
+
+
+@pytest.fixture(scope="module")
+def running_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Settings]:
+    yield from stack_running(stack_settings(tmp_path_factory.mktemp("stack")))
 
 
 def flow_runs_for(settings: Settings, key: str) -> list[dict[str, Any]]:
@@ -246,14 +250,17 @@ def test_a_part_that_cannot_start_is_named_with_its_log(tmp_path: Path) -> None:
 
 
 def _flow_run_process(settings: Settings, flow_run_id: str) -> psutil.Process | None:
-    """The runner's subprocess executing ``flow_run_id`` (the runner gives it PREFECT__FLOW_RUN_ID)."""
+    """The runner's process executing ``flow_run_id``: the runner records it on the flow run (host:pid)."""
     state = stack.read_state(stack.Paths(settings.home))
     assert state is not None and state.parts["runner"].pid
-    # The topmost one: the flow run's own process, not a helper process it started.
-    for child in psutil.Process(state.parts["runner"].pid).children(recursive=False):
-        with contextlib.suppress(psutil.Error):
-            if child.environ().get("PREFECT__FLOW_RUN_ID") == flow_run_id:
-                return child
+    recorded = httpx.get(f"{settings.prefect.url}/flow_runs/{flow_run_id}").json().get("infrastructure_pid")
+    if not recorded:
+        return None
+    pid = int(recorded.rsplit(":", 1)[1])
+    # One of the runner's own descendants (warm runs are children of its forkserver), not a stale pid.
+    for child in psutil.Process(state.parts["runner"].pid).children(recursive=True):
+        if child.pid == pid:
+            return child
     return None
 
 

@@ -5,7 +5,6 @@ its silence in distribution), JSON request logs carrying the caller's W3C trace 
 from __future__ import annotations
 
 import json
-import logging
 import subprocess
 import time
 from collections.abc import Iterator
@@ -17,7 +16,7 @@ import pytest
 import tritonclient.grpc as triton
 from prometheus_client.parser import text_string_to_metric_families
 
-from serving.observability.logs import REQUEST_FIELDS, REQUEST_LOGGER, JsonFormatter
+from serving.observability.logs import ENVELOPE, REQUEST_FIELDS, REQUEST_LOGGER, input_digest
 from serving.preprocessing import preprocess
 from serving.server import RunningServer, start
 from serving.settings import ServingSettings
@@ -43,7 +42,12 @@ def watched(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]
     batching = {"max_batch_size": 8, "max_queue_delay_us": 0, "max_queue_size": 256}
     write_model_version(repo, MODEL, "1", resnet(1), batching=batching, drift_baseline=baseline)
     settings = ServingSettings(
-        repository=str(repo), grpc_port=0, http_port=0, cache_dir=tmp_path_factory.mktemp("cache"), log_sample_rate=1.0
+        repository=str(repo),
+        grpc_port=0,
+        http_port=0,
+        cache_dir=tmp_path_factory.mktemp("cache"),
+        log_sample_rate=1.0,
+        request_log_file=tmp_path_factory.mktemp("logs") / "requests.jsonl",
     )
     running = start(settings)
     assert running.wait_ready(120)
@@ -110,36 +114,25 @@ def test_drift_stays_quiet_in_distribution_then_fires_on_a_dark_stream(watched: 
 
 
 def test_request_logs_are_json_with_every_field_and_the_callers_trace_id(watched: RunningServer) -> None:
-    lines: list[str] = []
-
-    class Capture(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            lines.append(self.format(record))
-
-    handler = Capture()
-    handler.setFormatter(JsonFormatter())
-    logger = logging.getLogger(REQUEST_LOGGER)
-    logger.addHandler(handler)
-    level = logger.level
-    logger.setLevel(logging.INFO)  # what the server's entry point configures
     trace_id = "4bf92f3577b34da6a3ce929d0e0e4736"
-    try:
-        c = triton.InferenceServerClient(f"127.0.0.1:{watched.grpc_port}")
-        x = preprocess(pictures(2, np.random.default_rng(3)), SPEC)
-        send(c, x, headers={"traceparent": f"00-{trace_id}-00f067aa0ba902b7-01"})
-        assert watched.flush_telemetry(30)  # lines are written on the telemetry thread, after the answer
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(level)
-    records = [json.loads(line) for line in lines]
+    c = triton.InferenceServerClient(f"127.0.0.1:{watched.grpc_port}")
+    x = preprocess(pictures(2, np.random.default_rng(3)), SPEC)
+    given = triton.InferInput("input", list(x.shape), "FP32")
+    given.set_data_from_numpy(x)
+    c.infer(MODEL, [given], request_id="traced-1", headers={"traceparent": f"00-{trace_id}-00f067aa0ba902b7-01"})
+    assert watched.flush_telemetry(30)  # records are written on the telemetry thread, after the answer
+    assert watched.settings.request_log_file is not None
+    records = [
+        json.loads(line) for line in watched.settings.request_log_file.read_text().splitlines() if '"traced-1"' in line
+    ]
     assert len(records) == 1
     record = records[0]
-    assert set(REQUEST_FIELDS) <= set(record)
+    assert list(record) == [*ENVELOPE, *REQUEST_FIELDS] and record["logger"] == REQUEST_LOGGER
     assert record["model_name"] == MODEL and record["model_version"] == "1" and record["status"] == "OK"
     assert record["batch_size"] == 2 and record["runtime"] == "onnxruntime"
     assert record["abnormal_flag"] is (alarm(watched) == 1)  # flagged while the drift alarm is on
     assert record["trace_id"] == trace_id
-    assert len(record["input_hash"]) == 64 and 0 < record["output_confidence"] <= 1
+    assert record["input_digest"] == input_digest([x]) and 0 < record["output_confidence"] <= 1
     assert isinstance(record["inference_time_ms"], float)
     assert not any(key in record for key in ("inputs", "data", "raw_input_contents"))
 

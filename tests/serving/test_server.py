@@ -21,6 +21,8 @@ from serving.proto import grpc_service_pb2_grpc
 from serving.server import RunningServer
 from tests.serving.conftest import MODEL, batch
 
+ADMIN = {"authorization": "Bearer s3cret"}  # the conftest server's admin token
+
 
 def reference(repo: Path, model: str, version: str, x: np.ndarray) -> np.ndarray:
     session = ort.InferenceSession(str(repo / model / version / "model.onnx"), providers=["CPUExecutionProvider"])
@@ -222,17 +224,17 @@ def test_loading_and_unloading_versions_while_serving_loses_no_request(server: R
         write_model_version(
             repo, MODEL, "3", resnet(6), batching={"max_batch_size": 8, "max_queue_delay_us": 0, "max_queue_size": 256}
         )
-        c.load_model(MODEL)
+        c.load_model(MODEL, headers=ADMIN)
         assert c.is_model_ready(MODEL, "3")
         shutil.move(str(repo / MODEL / "1"), str(repo / "parked-1"))
-        c.load_model(MODEL)  # v1 left the repository: unloaded after its queue drains
+        c.load_model(MODEL, headers=ADMIN)  # v1 left the repository: unloaded after its queue drains
         assert not c.is_model_ready(MODEL, "1") and c.is_model_ready(MODEL, "2")
     finally:
         stop.set()
         for w in workers:
             w.join()
         shutil.move(str(repo / "parked-1"), str(repo / MODEL / "1"))
-        c.load_model(MODEL)
+        c.load_model(MODEL, headers=ADMIN)
     assert not failures, failures[:3]
     assert done[0] > 20
 

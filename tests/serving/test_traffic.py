@@ -9,7 +9,7 @@ from collections import Counter
 import pytest
 
 from serving.errors import InvalidInput, ModelNotFound, ModelNotReady
-from serving.traffic import TrafficSplitter
+from serving.traffic import MAX_ENTRIES, MAX_WEIGHT, TrafficSplitter
 
 
 def test_weights_80_20_hold_over_2000_choices() -> None:
@@ -65,6 +65,14 @@ def test_unloaded_weighted_versions_fall_back_to_the_newest() -> None:
         ({"1": -1}, InvalidInput, r"weight of version '1' is -1; use a non-negative integer"),
         ({"1": 0.5}, InvalidInput, r"weight of version '1' is 0.5"),
         ({"1": True}, InvalidInput, r"weight of version '1' is True"),
+        ({"1": 10**400}, InvalidInput, r"weight of version '1' is an integer of 1329 bits; .* up to 1000000"),
+        ({"1": 10**5000}, InvalidInput, r"weight of version '1' is an integer of \d+ bits"),  # repr would raise
+        ({"1": MAX_WEIGHT + 1}, InvalidInput, r"weight of version '1' is 1000001; use a non-negative integer up to"),
+        ({"1": 2**32 - 1}, InvalidInput, r"is 4294967295"),  # the largest gRPC uint32
+        ({"1": "5"}, InvalidInput, r"weight of version '1' is '5'"),
+        ({"1": None}, InvalidInput, r"weight of version '1' is None"),
+        ({1: 5}, InvalidInput, r"version 1 is not a string"),
+        ({str(i): 1 for i in range(MAX_ENTRIES + 1)}, InvalidInput, rf"{MAX_ENTRIES + 1} traffic weights; .* at most"),
         ({"1": 0, "2": 0}, InvalidInput, r"sum to 0"),
         ({}, InvalidInput, r"sum to 0"),
     ],
@@ -139,3 +147,21 @@ def test_concurrent_updates_and_choices_stay_consistent() -> None:
     assert errors == []
     assert len(seen) == 8000
     assert set(seen) <= set(loaded)
+
+
+def test_the_largest_weights_are_accepted_and_route() -> None:
+    splitter = TrafficSplitter(seed=2)
+    assert splitter.set_weights("m", {"1": MAX_WEIGHT, "2": MAX_WEIGHT}, ["1", "2"]) == {
+        "1": MAX_WEIGHT,
+        "2": MAX_WEIGHT,
+    }
+    assert {splitter.choose("m", ["1", "2"]) for _ in range(100)} == {"1", "2"}
+
+
+def test_a_refused_huge_weight_leaves_routing_working() -> None:
+    """10**400 was accepted over HTTP, then every unversioned request failed with OverflowError."""
+    splitter = TrafficSplitter(seed=2)
+    with pytest.raises(InvalidInput):
+        splitter.set_weights("m", {"1": 10**400, "2": 1}, ["1", "2"])
+    assert splitter.weights("m") == {}
+    assert splitter.route("m", "", ["1", "2"]) == "2"

@@ -6,10 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 
-# The cluster module asserts in its readers: pytest explains those failures as it does the tests'.
-pytest.register_assert_rewrite("tests.tasks.kmock_cluster")
-
-from tests.tasks.kmock_cluster import Cluster  # noqa: E402
+from tests.tasks.kmock_cluster import Cluster  # assertions rewritten: registered in tests/conftest.py
 
 
 @pytest.fixture

@@ -24,12 +24,15 @@ from torch import nn
 
 from serving.server import RunningServer, start
 from serving.settings import ServingSettings
-from tasks.rollout.local import LocalPlatform
+from sluicegate.app.stack.services import Part
+from tasks.rollout.local import ClientTls, LocalPlatform
 from tasks.rollout.metrics import ScrapeSource
 from tasks.rollout.plan import RolloutPlan, Thresholds
 from tasks.rollout.platform import PlatformError
 from tasks.rollout.runner import Hooks, run_rollout
+from tests.fixtures import tls as tls_fixture
 from tests.fixtures.models import SPEC, resnet, write_model_version
+from tests.fixtures.tls import make_pki
 
 MODEL = "pcb"
 TOKEN = "rollout-test-token"
@@ -89,7 +92,7 @@ def served(staged: Path, tmp_path: Path) -> Iterator[Served]:
         platform.adopt(MODEL, "1")
         yield Served(server, platform, repo)
     finally:
-        server.stop(grace=5)
+        server.stop(grace=5, delay=0)  # nothing routes to a test server: no not-ready delay
 
 
 @dataclass
@@ -209,3 +212,90 @@ def test_another_canary_in_progress_is_refused(served: Served) -> None:
         run_rollout(MODEL, "3-slow", platform=served.platform, source=source, plan=plan())
     served.platform.rollback(MODEL)
     assert served.platform.state(MODEL).canary_version is None
+
+
+@pytest.fixture
+def tls_served(staged: Path, tmp_path: Path) -> Iterator[tuple[RunningServer, tls_fixture.Pki, Path]]:
+    """A mutual-TLS server on a repository holding version 1, not yet adopted."""
+    pki = make_pki(tmp_path / "pki")
+    repo = tmp_path / "repo"
+    shutil.copytree(staged / MODEL / "1", repo / MODEL / "1")
+    settings = ServingSettings(
+        repository=str(repo),
+        grpc_port=0,
+        http_port=0,
+        cache_dir=tmp_path / "cache",
+        admin_token=TOKEN,
+        tls_cert_file=pki.server.cert,
+        tls_key_file=pki.server.key,
+        tls_client_ca_file=pki.ca,
+    )
+    server = start(settings)
+    try:
+        assert server.wait_ready(120)
+        yield server, pki, repo
+    finally:
+        server.stop(grace=5, delay=0)
+
+
+def test_the_platform_drives_a_mutual_tls_server(
+    tls_served: tuple[RunningServer, tls_fixture.Pki, Path], staged: Path
+) -> None:
+    server, pki, repo = tls_served
+    tls = ClientTls(pki.ca, pki.client.cert, pki.client.key)
+    grpc_target, http_url = f"127.0.0.1:{server.grpc_port}", f"https://127.0.0.1:{server.http_port}"
+
+    def fetch(model: str, version: str, target: Path) -> None:
+        shutil.copytree(staged / model / version, target)
+
+    platform = LocalPlatform(repo, grpc_target, http_url, TOKEN, fetch=fetch, tls=tls)
+    # The gRPC half (repository load with the token, readiness polling) over mutual TLS.
+    shutil.copytree(staged / MODEL / "2", repo / MODEL / "2")
+    platform._load(MODEL)
+    platform._wait_ready(MODEL, "2")
+    assert server.dataplane.model_ready(MODEL, "2")
+    # Without the client certificate the handshake fails and the platform says which server refused.
+    stranger = LocalPlatform(
+        repo, grpc_target, http_url, TOKEN, tls=ClientTls(pki.ca, pki.stranger.cert, pki.stranger.key)
+    )
+    with pytest.raises(PlatformError, match="could not"):
+        stranger._load(MODEL)
+    state = platform.adopt(MODEL, "1")  # weights go over HTTPS with the client certificate
+    assert (state.stable_version, state.canary_weight) == ("1", 0)
+
+
+def test_tls_needs_an_https_side_port_url(tmp_path: Path) -> None:
+    with pytest.raises(PlatformError, match="https"):
+        LocalPlatform(tmp_path, "127.0.0.1:1", "http://127.0.0.1:2", TOKEN, tls=ClientTls(tmp_path / "ca.crt"))
+
+
+def serving_part(parts: list[Part]) -> Part:
+    return next(part for part in parts if part.name == "serving")
+
+
+def test_the_rollout_tls_settings_reach_the_platform_and_the_stack_server(tmp_path: Path) -> None:
+    from sluicegate.app.stack.services import parts
+    from sluicegate.settings import Settings
+    from tasks.rollout.local import client_tls
+
+    pki = make_pki(tmp_path / "pki")
+    rollout = {
+        "local_http": "https://127.0.0.1:8000",
+        "tls_ca_file": str(pki.ca),
+        "tls_client_cert_file": str(pki.client.cert),
+        "tls_client_key_file": str(pki.client.key),
+        "local_tls_cert_file": str(pki.server.cert),
+        "local_tls_key_file": str(pki.server.key),
+        "admin_token": TOKEN,
+    }
+    settings = Settings(home=tmp_path / "home", rollout=rollout)
+    assert client_tls(settings.rollout) == ClientTls(pki.ca, pki.client.cert, pki.client.key)
+    env = serving_part(parts(settings)).env
+    assert env["SLUICEGATE_SERVING__TLS_CERT_FILE"] == str(pki.server.cert)
+    assert env["SLUICEGATE_SERVING__TLS_KEY_FILE"] == str(pki.server.key)
+    assert env["SLUICEGATE_SERVING__TLS_CLIENT_CA_FILE"] == str(pki.ca)  # a client certificate: mutual TLS
+    plain = Settings(home=tmp_path / "home")
+    assert client_tls(plain.rollout) is None
+    assert not any("TLS" in name for name in serving_part(parts(plain)).env)
+    with pytest.raises(ValueError, match="https"):
+        Settings(home=tmp_path / "home", rollout={"tls_ca_file": str(pki.ca)})

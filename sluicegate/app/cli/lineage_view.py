@@ -83,7 +83,8 @@ def _request(root: Tree, line: RequestLine) -> None:
         f"request [bold]{escape(line.request_id)}[/bold] at {escape(line.timestamp)}: {escape(line.status)}"
     )
     node.add(f"model {escape(line.model_name)} {escape(line.model_version)} (runtime {escape(str(line.runtime))})")
-    node.add(f"input sha256 {escape(str(line.input_hash))}, batch {line.batch_size}, {line.inference_time_ms} ms")
+    # The digest names its algorithm ("xxh3-128:...", or "sha256:..." from older logs).
+    node.add(f"input {escape(str(line.input_digest))}, batch {line.batch_size}, {line.inference_time_ms} ms")
     node.add(f"[dim]logged at {escape(line.source)}[/dim]")
 
 

@@ -36,6 +36,9 @@ app.command("lineage")(lineage_command)
 
 
 def _configure_logging(level: int = logging.INFO) -> None:
+    from serving.redact import install_log_masking
+
+    install_log_masking()
     logging.basicConfig(level=level, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # One line per HTTP request (the runner polls every second) drowns what matters.
     logging.getLogger("httpx").setLevel(logging.WARNING)
@@ -85,9 +88,9 @@ def _print_urls(settings: Settings, state: object) -> None:
 
 
 def _redact(url: str) -> str:
-    from sqlalchemy.engine import make_url
+    from serving.redact import mask_url
 
-    return make_url(url).render_as_string(hide_password=True)
+    return mask_url(url)
 
 
 @app.command()
@@ -177,7 +180,10 @@ def config(
     if markdown:
         typer.echo(settings_markdown())
         return
-    console.print_json(load_settings().model_dump_json())
+    from serving.redact import mask_text
+
+    # SecretStr fields print as stars already; URLs with a password in them do not.
+    console.print_json(mask_text(load_settings().model_dump_json()))
 
 
 @app.command("stack-supervise", hidden=True)

@@ -261,4 +261,8 @@ def _traffic(settings: Settings, directory: Path, console: Console) -> Traffic:
         raise SluicegateError(f"the champion of {settings.model.name} has no recorded preprocessing")
     inputs = load_inputs(sorted((directory / "images").glob("*.png")), spec)
     console.print(f"a client sends {settings.model.name} requests to {settings.rollout.local_grpc} throughout")
-    return Traffic(settings.rollout.local_grpc, settings.model.name, inputs, spec)
+    from tasks.rollout.local import client_tls
+
+    tls = client_tls(settings.rollout)
+    credentials = tls.grpc_credentials() if tls is not None else None
+    return Traffic(settings.rollout.local_grpc, settings.model.name, inputs, spec, credentials=credentials)

@@ -44,9 +44,20 @@ class Traffic:
     flat-out client would starve the training run the demo is waiting for.
     """
 
-    def __init__(self, target: str, model: str, inputs: list[bytes], spec: PreprocessSpec, rate: float = 100) -> None:
+    def __init__(
+        self,
+        target: str,
+        model: str,
+        inputs: list[bytes],
+        spec: PreprocessSpec,
+        rate: float = 100,
+        credentials: grpc.ChannelCredentials | None = None,
+    ) -> None:
         self.report = TrafficReport()
-        self._channel = grpc.insecure_channel(target)
+        # The stack's server serves TLS when the rollout settings say so; its clients follow.
+        self._channel = (
+            grpc.insecure_channel(target) if credentials is None else grpc.secure_channel(target, credentials)
+        )
         self._stub = pb_grpc.GRPCInferenceServiceStub(self._channel)  # type: ignore[no-untyped-call]
         self._model, self._inputs = model, inputs
         self._interval = 1.0 / rate

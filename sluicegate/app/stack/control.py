@@ -91,7 +91,7 @@ def status(settings: Settings) -> tuple[str, list[PartHealth]]:
     rows = []
     for name, st in state.parts.items():
         running = alive and st.pid is not None and process_running(st.pid, st.created)
-        ok = running and name in by_name and healthy(by_name[name].health_url)
+        ok = running and name in by_name and healthy(by_name[name].health_url, verify=by_name[name].verify())
         rows.append(PartHealth(name, st.url, st.pid, running, ok, st.restarts, st.log))
     overall = "stopped" if not alive else state.status if all(r.healthy for r in rows) else "degraded"
     return overall, rows

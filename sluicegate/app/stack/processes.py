@@ -4,15 +4,16 @@ everything it started, and telling a live process from one that reused its pid."
 from __future__ import annotations
 
 import contextlib
+import ssl
 from pathlib import Path
 
 import httpx
 import psutil
 
 
-def healthy(url: str, timeout: float = 2.0) -> bool:
+def healthy(url: str, timeout: float = 2.0, verify: ssl.SSLContext | bool = True) -> bool:
     try:
-        return httpx.get(url, timeout=timeout).status_code < 500
+        return httpx.get(url, timeout=timeout, verify=verify).status_code < 500
     except httpx.HTTPError:
         return False
 

@@ -6,6 +6,7 @@ externally (a URL setting) is left out."""
 from __future__ import annotations
 
 import os
+import ssl
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -13,7 +14,8 @@ from pathlib import Path
 import httpx
 
 from sluicegate import storage
-from sluicegate.settings import LOOPBACK, Settings
+from sluicegate.settings import LOOPBACK, RolloutSettings, Settings
+from tasks.rollout.local import ClientTls, client_tls
 
 # Started together first; the bridge and the runner are their clients and start after them.
 SERVICES = ("s3", "prefect", "mlflow", "serving")
@@ -28,6 +30,11 @@ class Part:
     health_url: str
     url: str
     env: dict[str, str] = field(default_factory=dict)
+    tls: ClientTls | None = None  # what the health check needs for a TLS part (the model server)
+
+    def verify(self) -> ssl.SSLContext | bool:
+        """httpx's ``verify=`` for this part's health URL."""
+        return self.tls.ssl_context() if self.tls is not None else True
 
 
 def _bin(name: str) -> str:
@@ -129,7 +136,26 @@ def _serving_part(settings: Settings) -> Part:
     argv = [sys.executable, "-m", "serving", "--repo", str(repository), "--grpc-port", grpc_port]
     argv += ["--http-port", str(http_port), "--host", LOOPBACK]
     env = {"SLUICEGATE_SERVING__ADMIN_TOKEN": token, "SLUICEGATE_SERVING__CACHE_DIR": str(settings.home / "cache")}
-    return Part("serving", argv, f"{r.local_http.rstrip('/')}/health/live", r.local_grpc, env)
+    # One process, not one per core: on a developer's box the stack's Prefect, MLflow, S3 and training
+    # share the cores with it, a local canary sends a trickle (one connection lands on one worker
+    # anyway), and every worker would hold its own copy of each model.
+    env["SLUICEGATE_SERVING__WORKERS"] = "1"
+    env.update(_serving_tls_env(r))
+    return Part("serving", argv, f"{r.local_http.rstrip('/')}/health/live", r.local_grpc, env, client_tls(r))
+
+
+def _serving_tls_env(r: RolloutSettings) -> dict[str, str]:
+    """The local server's TLS settings from the platform's: its certificate, and with a client certificate
+    configured for the clients, mutual TLS against the clients' CA (one local CA signs both sides)."""
+    if r.local_tls_cert_file is None or r.local_tls_key_file is None:
+        return {}
+    env = {
+        "SLUICEGATE_SERVING__TLS_CERT_FILE": str(r.local_tls_cert_file),
+        "SLUICEGATE_SERVING__TLS_KEY_FILE": str(r.local_tls_key_file),
+    }
+    if r.tls_client_cert_file is not None and r.tls_ca_file is not None:
+        env["SLUICEGATE_SERVING__TLS_CLIENT_CA_FILE"] = str(r.tls_ca_file)
+    return env
 
 
 def _bridge_part(settings: Settings) -> Part:
@@ -147,8 +173,9 @@ def _runner_part(settings: Settings) -> Part:
         [sys.executable, "-m", "flows.deployments"],
         f"http://{LOOPBACK}:{settings.prefect.runner_port}/health",
         "dataset-pipeline, scheduled-retrain",
+        # The poll interval and the run limit travel in the settings (Prefect's own poll setting takes
+        # whole seconds only).
         {
-            "PREFECT_RUNNER_POLL_FREQUENCY": str(settings.prefect.runner_poll_seconds),
             "PREFECT_RUNNER_SERVER_ENABLE": "true",
             "PREFECT_RUNNER_SERVER_HOST": LOOPBACK,
             "PREFECT_RUNNER_SERVER_PORT": str(settings.prefect.runner_port),

@@ -69,7 +69,7 @@ class Supervisor:
         while time.monotonic() < deadline and not self.stopping:
             if proc.poll() is not None:
                 raise StackError(f"{part.name} exited with code {proc.returncode} while starting")
-            if healthy(part.health_url):
+            if healthy(part.health_url, verify=part.verify()):
                 self.state.parts[part.name].status = READY
                 self.write_state()
                 return

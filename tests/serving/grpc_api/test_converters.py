@@ -244,8 +244,12 @@ REFUSALS: dict[str, tuple[pb.ModelInferRequest, str]] = {
         "input 'small': no data for shape \\[1\\]; expected 1 FP16 elements in raw_input_contents",
     ),
     "BYTES length cut short": (
-        _bytes_input(struct.pack("<I", 1) + b"a" + b"\x02\x00"),
+        _bytes_input(struct.pack("<I", 5) + b"abcde" + b"\x02\x00"),
         "input 'text': raw BYTES contents end after 1 of 2 elements",
+    ),
+    "BYTES count the buffer cannot hold": (
+        _bytes_input(struct.pack("<I", 1) + b"a" + b"\x02\x00"),
+        r"input 'text': raw BYTES contents are 7 bytes, too few for the 2 elements of shape \[2\]",
     ),
     "BYTES element overruns": (
         _bytes_input(struct.pack("<I", 1) + b"a" + struct.pack("<I", 9) + b"abc"),

@@ -21,6 +21,7 @@ def value(metrics: ServerMetrics, name: str, **labels: str) -> float | None:
 
 def test_requests_are_counted_by_code_and_latency_kept_for_successes() -> None:
     metrics = ServerMetrics(nvml=no_nvml)
+    metrics.loaded("pcb", "1")
     metrics.observe("pcb", "1", "OK", 0.0004)
     metrics.observe("pcb", "1", "OK", 0.002)
     metrics.observe("pcb", "1", "INVALID_ARGUMENT", 0.0001)
@@ -90,6 +91,7 @@ def test_entropy_drift_and_engine_cache_families() -> None:
 def test_forget_drops_every_series_of_one_version_only() -> None:
     metrics = ServerMetrics(nvml=no_nvml)
     for version in ("1", "2"):
+        metrics.loaded("pcb", version)
         metrics.observe("pcb", version, "OK", 0.001)
         metrics.set_level("pcb", version, "onnxruntime", 0)
         metrics.batch_observer("pcb", version).on_batch(4, [1000, 2000], 5000, True)
@@ -104,3 +106,45 @@ def test_forget_drops_every_series_of_one_version_only() -> None:
     ]
     assert lines and all('version="2"' in line for line in lines)
     assert len({line.split("{")[0] for line in lines}) >= 20  # every family kept its version-2 series
+
+
+def _request_series(metrics: ServerMetrics) -> list[str]:
+    return [
+        line
+        for line in generate_latest(metrics.registry).decode().splitlines()
+        if line.startswith("sluicegate_inference_request")
+    ]
+
+
+def test_request_labels_are_only_loaded_versions_and_one_unknown_label() -> None:
+    metrics = ServerMetrics(nvml=no_nvml)
+    metrics.loaded("pcb", "1")
+    metrics.observe("pcb", "1", "OK", 0.001)
+    metrics.observe("pcb", "1", "NOT_FOUND", 0.001)
+    before = len(_request_series(metrics))
+    for i in range(2000):
+        metrics.observe(f"nope-{i}", "", "NOT_FOUND", 0.001)
+        metrics.observe("pcb", f"v{i}", "NOT_FOUND", 0.001)  # a known model, an unknown version
+    metrics.observe("x" * (4 << 20), "y" * 1000, "OK", 0.001)
+    after = _request_series(metrics)
+    # Nothing but the one unknown label set was added: a counter per code, one latency histogram.
+    unknown = [line for line in after if 'model="_unknown",version=""' in line]
+    assert len(after) - len(unknown) == before and 0 < len(unknown) < 40
+    assert max(len(line) for line in after) < 300
+    assert value(metrics, "sluicegate_inference_requests_total", model="_unknown", version="", code="NOT_FOUND") == 4000
+    assert value(metrics, "sluicegate_inference_requests_total", model="_unknown", version="", code="OK") == 1
+    assert value(metrics, "sluicegate_inference_requests_total", model="pcb", version="1", code="NOT_FOUND") == 1
+    assert len(metrics._children) == 4  # the cache of label children is bounded the same way
+
+
+def test_a_forgotten_version_is_counted_as_unknown_until_loaded_again() -> None:
+    metrics = ServerMetrics(nvml=no_nvml)
+    metrics.loaded("pcb", "1")
+    metrics.observe("pcb", "1", "OK", 0.001)
+    metrics.forget("pcb", "1")
+    metrics.observe("pcb", "1", "OK", 0.001)  # a request finishing after the unload
+    assert value(metrics, "sluicegate_inference_requests_total", model="pcb", version="1", code="OK") is None
+    assert value(metrics, "sluicegate_inference_requests_total", model="_unknown", version="", code="OK") == 1
+    metrics.loaded("pcb", "1")
+    metrics.observe("pcb", "1", "OK", 0.001)
+    assert value(metrics, "sluicegate_inference_requests_total", model="pcb", version="1", code="OK") == 1

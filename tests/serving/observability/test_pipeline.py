@@ -36,6 +36,37 @@ def test_calls_run_in_order_on_the_telemetry_thread() -> None:
     assert {name for _, name in seen} == {"telemetry"}
 
 
+def test_tick_hooks_run_on_the_thread_and_flush_waits_for_them() -> None:
+    """The request records drain through a hook: ``flush`` must cover what was queued before it, and a
+    failing hook must not stop the ticks."""
+    pipeline = TelemetryPipeline(interval_s=60)  # a tick only when flush wakes the thread
+    queued: list[int] = []
+    drained: list[tuple[int, str]] = []
+
+    def drain() -> None:
+        while queued:
+            drained.append((queued.pop(0), threading.current_thread().name))
+
+    failures = 0
+
+    def broken() -> None:
+        nonlocal failures
+        failures += 1
+        raise RuntimeError("sink gone")
+
+    try:
+        pipeline.every_tick("broken", broken)
+        pipeline.every_tick("records", drain)
+        queued.extend(range(5))
+        assert pipeline.flush(10)
+        assert drained == [(i, "telemetry") for i in range(5)]
+        queued.append(5)
+        assert pipeline.flush(10)
+        assert [i for i, _ in drained] == list(range(6)) and failures >= 2
+    finally:
+        pipeline.close()
+
+
 def test_a_full_queue_drops_and_counts_and_a_failing_call_is_survived() -> None:
     dropped: Counter[str] = Counter()
     pipeline = TelemetryPipeline(max_pending=3, max_pending_bytes=100, on_drop=lambda kind: dropped.update([kind]))

@@ -1,0 +1,122 @@
+"""The serving benchmark's arithmetic: same-repeat ratios, verdicts, the ``--out`` summary's shape."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from benchmarks.serving_report import (
+    KSERVE,
+    LIMIT,
+    OFF,
+    OURS,
+    REFERENCE,
+    TRITON,
+    Point,
+    Repeat,
+    Row,
+    limit_row,
+    server_row,
+    summary,
+    targets,
+)
+
+
+def row(c1: float, c32: float, medium: float, p50: float = 1.0) -> Row:
+    return Row(Point(c1, p50), Point(c32, 20.0), Point(medium, 900.0))
+
+
+def repeat(ours: float, triton: float, kserve: float, *, off: float | None = None) -> Repeat:
+    rows = {
+        OURS: row(600, ours, 27, p50=1.2),
+        REFERENCE: row(700, 1000, 27),
+        TRITON: row(130, triton, 20),
+        KSERVE: row(650, kserve, 26, p50=1.5),
+        LIMIT: row(3900, 4000, 28),
+    }
+    if off is not None:
+        rows[OFF] = Row(None, Point(off, 20.0), Point(27, 900.0))
+    return Repeat(rows)
+
+
+def test_each_ratio_is_taken_within_a_repeat_then_the_median() -> None:
+    # Repeat 1 is a slow minute for everyone, repeat 2 a fast one: ours is 2x Triton in both, though ours
+    # in the slow one is below Triton in the fast one.
+    found = {t.name: t for t in targets([repeat(1000, 500, 600), repeat(2000, 1000, 1200)])}
+
+    assert found["small c=32: ours / Triton"].observed == "2.00x"
+    assert found["small c=32: ours / Triton"].passed is True
+    assert found["small c=32: ours / KServe"].observed == "1.67x"
+    assert found["small c=1 p50: ours / KServe"].observed == "0.80x"
+    assert found["small c=1 p50: ours / KServe"].passed is True
+    assert found["small c=32: ours / grpcio reference"].passed is True  # 100% and 200%: median 150%
+    assert found["medium c=32: ours / ORT limit"].observed == "96.4%"
+    assert found["medium c=32: ours / ORT limit"].passed is False
+
+
+def test_a_server_not_measured_gives_no_verdict() -> None:
+    bare = Repeat({OURS: row(600, 1000, 27), REFERENCE: row(700, 1000, 27), LIMIT: row(3900, 4000, 28)})
+
+    found = {t.name: t for t in targets([bare])}
+
+    assert found["small c=32: ours / Triton"].passed is None
+    assert found["small c=32: observability cost (1 - on / off)"].observed == "not measured"
+
+
+def test_observability_cost_is_one_minus_on_over_off() -> None:
+    found = {t.name: t for t in targets([repeat(900, 500, 600, off=1000)])}
+
+    assert found["small c=32: observability cost (1 - on / off)"].observed == "10.0%"
+    assert found["small c=32: observability cost (1 - on / off)"].passed is True
+    assert found["medium c=32: observability cost (1 - on / off)"].observed == "0.0%"
+
+
+def test_summary_has_the_issue_shape() -> None:
+    out = summary([repeat(1000, 500, 600), repeat(1200, 500, 600)])
+
+    assert set(out) == {"ours", "reference", "limit", "peers"}
+    assert set(out["peers"]) == {"triton", "kserve"}
+    for section in (out["ours"], out["reference"], out["limit"], *out["peers"].values()):
+        assert set(section) == {"small_c1", "small_c32", "medium_c32"}
+        assert all(set(point) == {"infer_per_s", "p50_ms"} for point in section.values())
+    assert out["ours"]["small_c32"]["infer_per_s"] == 1100  # median of the repeats
+
+
+def test_summary_without_peers_has_an_empty_peer_section() -> None:
+    bare = Repeat({OURS: row(600, 1000, 27), REFERENCE: row(700, 1000, 27), LIMIT: row(3900, 4000, 28)})
+
+    assert summary([bare])["peers"] == {}
+
+
+def v2(label: str, model: str, concurrency: int, rate: float, errors: int = 0) -> dict[str, Any]:
+    return {
+        "kind": "v2grpc",
+        "label": label,
+        "model": model,
+        "concurrency": concurrency,
+        "infer_per_s": rate,
+        "p50_ms": 1.5,
+        "errors": errors,
+        "first_error": "UNAVAILABLE: gone" if errors else None,
+    }
+
+
+def test_server_row_refuses_a_point_with_errors() -> None:
+    lines = [v2("ours", "small", 1, 600), v2("ours", "small", 32, 900, errors=3), v2("ours", "medium", 32, 25)]
+
+    with pytest.raises(RuntimeError, match="ours small c=32: 3 errors: UNAVAILABLE"):
+        server_row(lines, "ours")
+
+
+def test_limit_row_takes_batch_one_for_c1_and_the_best_batch_for_the_rest() -> None:
+    lines = [
+        {"kind": "ort_limit", "model": model, "batch": batch, "infer_per_s": rate, "p50_ms": 0.1 * batch}
+        for model, batch, rate in (("small", 1, 3900), ("small", 8, 4100), ("small", 32, 4000), ("medium", 1, 27))
+    ]
+
+    found = limit_row(lines)
+
+    assert found.small_c1 == Point(3900, 0.1, 1)
+    assert found.small_c32 is not None and found.small_c32.batch == 8
+    assert found.medium_c32 is not None and found.medium_c32.batch == 1
