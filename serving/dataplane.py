@@ -265,6 +265,7 @@ class DataPlane:
                 window=s.drift_window,
                 test_every=s.drift_test_every,
                 min_samples=s.drift_min_samples,
+                min_interval_s=s.drift_test_min_interval_s,
                 ks_threshold=s.drift_ks_threshold,
                 p_threshold=s.drift_p_threshold,
                 on_report=lambda report: metrics.set_drift(name, version, report.as_metrics(), report.alarm),

@@ -27,6 +27,7 @@ from __future__ import annotations
 import logging
 import math
 import threading
+import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import Executor
 from dataclasses import dataclass
@@ -82,6 +83,9 @@ class DriftMonitor:
         ks_threshold: KS statistic above which a feature has drifted (with ``p_threshold``).
         p_threshold: p-value below which the difference is not chance (with ``ks_threshold``).
         min_samples: Values needed in the window before the first test (see the module docstring).
+        min_interval_s: Seconds at least between two tests; 0: by count only. At 1,500 images/s the count
+            rule alone runs 15 tests a second (~1 ms each), while drift shows over minutes.
+        clock: Monotonic seconds (tests pass their own).
         executor: Where tests run; None: inline.
         on_report: Called with every new report, from the thread that ran the test (metrics hook in here).
 
@@ -98,11 +102,17 @@ class DriftMonitor:
         ks_threshold: float = 0.15,
         p_threshold: float = 0.01,
         min_samples: int = 300,
+        min_interval_s: float = 0.0,
+        clock: Callable[[], float] = time.monotonic,
         executor: Executor | None = None,
         on_report: Callable[[DriftReport], None] | None = None,
     ) -> None:
         if window < 1 or test_every < 1 or min_samples < 1:
             raise ValueError(f"window, test_every and min_samples must be >= 1: {window}, {test_every}, {min_samples}")
+        if not min_interval_s >= 0:
+            raise ValueError(f"min_interval_s must be >= 0 seconds, got {min_interval_s}")
+        self._min_interval_s, self._clock = min_interval_s, clock
+        self._last_test = -math.inf
         if not baseline:
             raise ValueError("drift baseline is empty: the model's config.json has no drift_baseline")
         self._baseline: dict[str, FloatArray] = {}
@@ -177,6 +187,11 @@ class DriftMonitor:
             self._observed += count
             if self._observed < self._next_test or self._testing:
                 return None
+            if self._min_interval_s:
+                now = self._clock()
+                if now - self._last_test < self._min_interval_s:
+                    return None  # due by count: the first observe after the interval runs it
+                self._last_test = now
             self._next_test = self._observed + self._test_every
             # A copy, in any order: the KS test does not care which value is oldest.
             snapshot = {name: ring[: self._filled].copy() for name, ring in self._ring.items()}
@@ -322,7 +337,10 @@ def channel_means(
         raise ValueError(f"preprocessing needs numeric 'mean' and 'std' {what}: {exc}") from exc
     if len(mean) != channels or len(std) != channels:
         raise ValueError(f"preprocessing mean and std need {channels} value(s) {what}, got {mean} and {std}")
-    spatial = array.mean(axis=(2, 3), dtype=np.float64)  # (N, C) in tensor channel order
+    # (N, C) in tensor channel order. einsum sums each plane in float64 in one pass without the
+    # reduction machinery of mean(axis=...): 9 us vs 49 us for a small batch, 0.09 vs 0.7 ms for a medium one.
+    plane = array.shape[2] * array.shape[3]
+    spatial = np.einsum("nchw->nc", array, dtype=np.float64) / plane if plane else array.mean(axis=(2, 3))
     if channels == 1:
         return {GREY: (spatial[:, 0] * std[0] + mean[0]) * scale}
     order = (0, 1, 2) if colour == "RGB" else (2, 1, 0)  # tensor channel -> RGB index

@@ -240,3 +240,32 @@ def test_grey_channel_means_refuses_a_batch_of_the_wrong_channels() -> None:
         channel_means(np.zeros((2, 3, 8, 8), dtype=np.float32), grey)
     with pytest.raises(ValueError, match=r"need 1 value\(s\) \(grey\)"):
         channel_means(np.zeros((2, 1, 8, 8), dtype=np.float32), {**grey, "mean": [0.5, 0.5, 0.5]})
+
+
+def test_tests_are_spaced_by_min_interval_and_a_due_test_runs_after_it() -> None:
+    now = [0.0]
+    monitor = DriftMonitor(
+        baseline(), window=200, test_every=50, min_samples=50, min_interval_s=1.0, clock=lambda: now[0]
+    )
+    rng = np.random.default_rng(3)
+    tested: list[float] = []
+    for step in range(40):  # 40 requests of 25 images, 1/8 s apart: by count alone a test every 2 requests
+        now[0] = step / 8
+        if monitor.observe(healthy(rng, 25)) is not None:
+            tested.append(now[0])
+    assert tested == [1 / 8, 9 / 8, 17 / 8, 25 / 8, 33 / 8], "one test a second"
+    with pytest.raises(ValueError, match="min_interval_s"):
+        DriftMonitor(baseline(), min_interval_s=-1.0)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_channel_means_equal_the_float64_mean(dtype: type) -> None:
+    rng = np.random.default_rng(5)
+    batch = rng.normal(0.2, 1.3, (9, 3, 37, 53)).astype(dtype)
+    spec = {"colour": "BGR", "mean": [0.485, 0.456, 0.406], "std": [0.229, 0.224, 0.225]}
+    means = channel_means(batch, spec)
+    plain = batch.astype(np.float64).mean(axis=(2, 3))
+    for channel, name in enumerate(("b", "g", "r")):
+        rgb = "rgb".index(name)
+        expected = (plain[:, channel] * spec["std"][rgb] + spec["mean"][rgb]) * 255
+        np.testing.assert_allclose(means[name], expected, rtol=0, atol=1e-8)

@@ -23,6 +23,7 @@ from serving.observability.logs import (
     ENVELOPE,
     REQUEST_FIELDS,
     REQUEST_LOGGER,
+    IsoStamps,
     JsonFormatter,
     LineSink,
     RequestLogger,
@@ -308,3 +309,19 @@ def test_a_timed_flush_handler_batches_writes_but_never_holds_a_line_long() -> N
     finally:
         logger.removeHandler(handler)
         handler.close()
+
+
+def test_iso_stamps_equal_datetime_isoformat_including_rounding_edges() -> None:
+    from datetime import UTC, datetime
+
+    rng = np.random.default_rng(11)
+    now = time.time()
+    whens = [
+        *(now + rng.uniform(0, 30, 20_000)).tolist(),  # many stamps per second, as the telemetry thread sees them
+        *rng.uniform(-3e9, 4e9, 10_000).tolist(),  # before 1970 too
+        *[second + edge for second in (0.0, -1.0, 1e9, now // 1) for edge in (0.9999995, 0.9999994999, 5e-7, -5e-7)],
+        *[round(now) + k / 1e6 + 5e-7 for k in range(10_000)],  # half-microsecond ties
+    ]
+    stamps = IsoStamps()
+    for when in whens:
+        assert stamps(when) == datetime.fromtimestamp(when, UTC).isoformat(timespec="microseconds"), when

@@ -16,6 +16,7 @@ from typing import Any
 
 import httpx
 import numpy as np
+import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -216,16 +217,27 @@ def test_a_stalled_body_is_closed_after_the_body_timeout(server: ServerProcess) 
     server.assert_recovered("a stalled body")
 
 
+def _family(server: ServerProcess) -> list[psutil.Process]:
+    """The server and its worker processes (SLUICEGATE_SERVING__WORKERS > 1: the supervisor holds no
+    connection, its workers accept them)."""
+    return [server.ps, *server.ps.children(recursive=True)]
+
+
 def _established(server: ServerProcess) -> int:
     return sum(
         1
-        for c in server.ps.net_connections(kind="tcp")
+        for process in _family(server)
+        for c in process.net_connections(kind="tcp")
         if c.laddr and c.laddr.port == server.http_port and c.status == "ESTABLISHED"
     )
 
 
+def _threads(server: ServerProcess) -> int:
+    return sum(process.num_threads() for process in _family(server))
+
+
 def test_slow_headers_are_closed_after_the_header_timeout(server: ServerProcess) -> None:
-    threads, open_before = server.ps.num_threads(), _established(server)
+    threads, open_before = _threads(server), _established(server)
     sockets = [connect(server) for _ in range(200)]
     try:
         for sock in sockets:
@@ -249,7 +261,7 @@ def test_slow_headers_are_closed_after_the_header_timeout(server: ServerProcess)
     while _established(server) > open_before and time.monotonic() < deadline:
         time.sleep(0.1)
     assert _established(server) <= open_before
-    assert server.ps.num_threads() <= threads + 2  # uvicorn holds connections on its loop, not on threads
+    assert _threads(server) <= threads + 2  # uvicorn holds connections on its loop, not on threads
     # One byte a second does not keep a connection either: the deadline runs from the first byte.
     with connect(server) as sock:
         start = time.monotonic()
