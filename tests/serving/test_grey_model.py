@@ -101,6 +101,7 @@ def served(model: tuple[GreyNet, Path], tmp_path_factory: pytest.TempPathFactory
         drift_window=200,
         drift_test_every=40,
         drift_min_samples=80,
+        drift_test_min_interval_s=0,  # tests by count: 40 images arrive faster than once a second
     )
     running = start(settings)
     assert running.wait_ready(120), running.dataplane.index()

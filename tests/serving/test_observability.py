@@ -48,6 +48,8 @@ def watched(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]
         cache_dir=tmp_path_factory.mktemp("cache"),
         log_sample_rate=1.0,
         request_log_file=tmp_path_factory.mktemp("logs") / "requests.jsonl",
+        # "Within 300 requests" counts images: KS tests by count, not held back to one a second.
+        drift_test_min_interval_s=0,
     )
     running = start(settings)
     assert running.wait_ready(120)
