@@ -14,6 +14,13 @@ only between keep-alive requests, so a client that sends half a request line and
 keeps its connection for ever; ``_DeadlineProtocol`` closes any connection whose head is not complete
 ``http_header_timeout_s`` after it started. The body timeout and size limit are the app's (app.py),
 since only it knows when it is waiting for body data.
+
+And a lingering close (nginx's ``lingering_close``): uvicorn closes the socket right after an answer that
+refuses a body the client is still sending (413, 408, 415), and closing with unread data makes the kernel
+send a reset at once, which can overtake the answer on its way (CI saw a 413 arrive without its body).
+``_LingeringClose`` half-closes instead, so the answer is followed by an orderly end of stream, then
+reads and drops what the client still sends for at most ``LINGER_S`` and ``LINGER_BYTES`` before it
+closes: the client reads its answer, and the cost of a hostile sender stays bounded.
 """
 
 from __future__ import annotations
@@ -40,6 +47,51 @@ __all__ = ["BINARY_HEADER", "SidePort"]
 
 log = logging.getLogger(__name__)
 START_TIMEOUT_S = 30.0
+LINGER_S = 2.0  # nginx's lingering_timeout is 5 s; a client that reads its answer closes within ms
+LINGER_BYTES = 8 << 20
+
+
+class _LingeringClose:
+    """The transport uvicorn's protocol writes to, with ``close()`` turned into a lingering close while the
+    client is still sending a request body (``still_sending``); everything else is the real transport's."""
+
+    def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop, still_sending: Any) -> None:
+        self._transport, self._loop, self._still_sending = transport, loop, still_sending
+        self.lingering = False
+        self.dropped = 0
+        self._timer: asyncio.TimerHandle | None = None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
+
+    def is_closing(self) -> bool:
+        return self.lingering or self._transport.is_closing()
+
+    def write(self, data: bytes) -> None:
+        if not self.lingering:  # nothing may follow the end of stream
+            self._transport.write(data)
+
+    def close(self) -> None:
+        transport = self._transport
+        if self.lingering or transport.is_closing() or not self._still_sending() or not transport.can_write_eof():
+            self.close_now()
+            return
+        self.lingering = True
+        transport.write_eof()  # after what is buffered: the answer, then the end of stream
+        transport.resume_reading()  # uvicorn may have paused it for the unread body: drain it now
+        self._timer = self._loop.call_later(LINGER_S, self.close_now)
+
+    def drop(self, data: bytes) -> None:
+        """Body bytes that arrived while lingering: counted, never kept."""
+        self.dropped += len(data)
+        if self.dropped > LINGER_BYTES:
+            self.close_now()
+
+    def close_now(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self._transport.close()
 
 
 class _DeadlineProtocol(H11Protocol):
@@ -48,11 +100,16 @@ class _DeadlineProtocol(H11Protocol):
     header_timeout_s = 10.0
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        super().connection_made(transport)
+        # Before uvicorn's own setup: its flow control and request cycles keep the transport they are given.
+        self._lingering = _LingeringClose(transport, self.loop, lambda: self.conn.their_state is h11.SEND_BODY)
+        super().connection_made(self._lingering)  # type: ignore[arg-type]
         self._head_deadline: asyncio.TimerHandle | None = None
         self._arm()
 
     def data_received(self, data: bytes) -> None:
+        if self._lingering.lingering:
+            self._lingering.drop(data)
+            return
         super().data_received(data)
         # IDLE: the request line and headers are not complete yet (h11 emits Request once they are).
         # The deadline counts from the first byte of a head, never reset by more bytes: a client
@@ -65,6 +122,8 @@ class _DeadlineProtocol(H11Protocol):
             self._head_deadline = None
 
     def connection_lost(self, exc: Exception | None) -> None:
+        if self._lingering.lingering:
+            self._lingering.close_now()  # the client went first: stop the linger timer
         if self._head_deadline is not None:
             self._head_deadline.cancel()
             self._head_deadline = None

@@ -176,6 +176,27 @@ def test_declared_body_over_the_limit_is_413_before_reading(server: ServerProces
     server.assert_recovered("Content-Length: 300 MiB")
 
 
+def test_a_refused_body_gets_a_lingering_close_not_a_reset(server: ServerProcess) -> None:
+    """After a 413 the server half-closes and drains what the client still sends (bounded), so a client
+    that reads its answer only after sending more gets the whole answer and an orderly end of stream; a
+    plain close with the body unread made the kernel reset the connection (CI: a 413 without its body)."""
+    with connect(server) as sock:
+        sock.sendall(f"POST {INFER} HTTP/1.1\r\nHost: x\r\nContent-Length: {300 * MIB}\r\n\r\n".encode())
+        sock.sendall(b"1" * MIB)
+        time.sleep(1.0)  # the 413 is written and the server lingers (LINGER_S is 2 s)
+        sock.sendall(b"1" * MIB)  # accepted and dropped: a closed socket would have reset us by now
+        status, headers, body = read_answer(sock)
+        assert status == 413 and "limit" in json.loads(body)["error"] and headers.get("connection") == "close"
+        sock.settimeout(5)
+        ended = time.monotonic()
+        rest = b""
+        while chunk := sock.recv(65536):  # ConnectionResetError here would be the old reset
+            rest += chunk
+        assert rest == b"", f"nothing may follow the answer: {rest[:80]!r}"
+        assert time.monotonic() - ended < 5
+    server.assert_recovered("a lingering close")
+
+
 def test_chunked_body_over_the_limit_is_413_while_reading(server: ServerProcess) -> None:
     start, rss = time.monotonic(), server.rss()
     with connect(server) as sock:
