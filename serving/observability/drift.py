@@ -24,6 +24,7 @@ shift (tests are 100 apart), or at ``min_samples`` when it starts dark.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import threading
@@ -337,10 +338,7 @@ def channel_means(
         raise ValueError(f"preprocessing needs numeric 'mean' and 'std' {what}: {exc}") from exc
     if len(mean) != channels or len(std) != channels:
         raise ValueError(f"preprocessing mean and std need {channels} value(s) {what}, got {mean} and {std}")
-    # (N, C) in tensor channel order. einsum sums each plane in float64 in one pass without the
-    # reduction machinery of mean(axis=...): 9 us vs 49 us for a small batch, 0.09 vs 0.7 ms for a medium one.
-    plane = array.shape[2] * array.shape[3]
-    spatial = np.einsum("nchw->nc", array, dtype=np.float64) / plane if plane else array.mean(axis=(2, 3))
+    spatial = _plane_means(array)  # (N, C) in tensor channel order
     if channels == 1:
         return {GREY: (spatial[:, 0] * std[0] + mean[0]) * scale}
     order = (0, 1, 2) if colour == "RGB" else (2, 1, 0)  # tensor channel -> RGB index
@@ -348,3 +346,27 @@ def channel_means(
     for channel, rgb in enumerate(order):
         out[CHANNELS[rgb]] = (spatial[:, channel] * std[rgb] + mean[rgb]) * scale
     return out
+
+
+def _plane_means(array: npt.NDArray[Any]) -> FloatArray:
+    """The mean of every (image, channel) plane of an NCHW batch, as float64.
+
+    A matrix-vector product with ones (BLAS) rather than ``mean(axis=(2, 3))``: on the telemetry thread of a
+    busy server this runs for every batch, and for a small-model batch (8 x 3 x 64 x 64) it takes 5 us
+    against 42 us (33 us with float64 einsum). Float32 accumulation in BLAS's blocked dot products is within
+    1e-7 of the float64 mean here, far below a grey level after un-normalising.
+    """
+    n, c, h, w = array.shape
+    if not n * c * h * w:
+        return np.zeros((n, c), dtype=np.float64)
+    flat = np.ascontiguousarray(array).reshape(n * c, h * w)
+    if flat.dtype in (np.float32, np.float64):
+        sums = flat @ _ones(h * w, flat.dtype.str)
+    else:
+        sums = flat.sum(axis=1, dtype=np.float64)
+    return (sums.astype(np.float64) / (h * w)).reshape(n, c)
+
+
+@functools.lru_cache(maxsize=16)
+def _ones(size: int, dtype: str) -> npt.NDArray[Any]:
+    return np.ones(size, dtype=dtype)

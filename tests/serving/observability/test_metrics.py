@@ -5,10 +5,11 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+import pytest
 from prometheus_client import generate_latest
 
 from serving.batching import DynamicBatcher
-from serving.observability.metrics import ServerMetrics
+from serving.observability.metrics import ServerMetrics, observe_many
 
 
 def no_nvml() -> Any:
@@ -148,3 +149,32 @@ def test_a_forgotten_version_is_counted_as_unknown_until_loaded_again() -> None:
     metrics.loaded("pcb", "1")
     metrics.observe("pcb", "1", "OK", 0.001)
     assert value(metrics, "sluicegate_inference_requests_total", model="pcb", version="1", code="OK") == 1
+
+
+@pytest.mark.parametrize("count", [0, 1, 8, 33, 5000])
+def test_observe_many_gives_the_exposition_of_observe_one_by_one(count: int) -> None:
+    """Both paths (bisect for a batch's few values, numpy for a drain's thousands), bucket edges and NaN,
+    against plain ``observe`` (test_workers.py scrapes the multiprocess files the same increments write)."""
+    from prometheus_client import CollectorRegistry, Histogram
+
+    rng = np.random.default_rng(count)
+    values = rng.uniform(-0.5, 9.0, count)
+    if count > 4:
+        values[:4] = [0.25, 1.0, 8.0, np.nan]  # exactly on bounds (le is inclusive) and not a number
+    buckets = (0.001, 0.25, 0.5, 1.0, 2.0, 8.0)
+
+    def exposition(feed: Any) -> str:
+        registry = CollectorRegistry()
+        child = Histogram("h", "h", ["m"], buckets=buckets, registry=registry).labels("x")
+        feed(child)
+        return "\n".join(line for line in generate_latest(registry).decode().splitlines() if "_created" not in line)
+
+    def one_by_one(child: Any) -> None:
+        for v in values.tolist():
+            child.observe(v)
+
+    expected = exposition(one_by_one)
+    assert exposition(lambda child: observe_many(child, values)) == expected
+    assert exposition(lambda child: observe_many(child, values.tolist())) == expected
+    if count:
+        assert 'h_bucket{le="+Inf",m="x"} ' in expected
