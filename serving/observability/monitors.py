@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from serving.observability.drift import DriftMonitor, channel_means
+from serving.observability.drift import ChannelSpec, DriftMonitor, channel_means, plane_means
 from serving.observability.entropy import EntropyMonitor, softmax
 from serving.observability.pipeline import TelemetryPipeline
 
@@ -92,14 +92,13 @@ class VersionMonitors:
             return
         means = None
         if self.drift is not None and self.image_input is not None:
-            # Per batch, then joined: the means are a few floats per image, the images megabytes.
-            parts = [
-                channel_means(inputs[self.image_input], self.preprocessing)
-                for inputs, _ in batches
-                if self.image_input in inputs and np.ndim(inputs[self.image_input]) == 4
-            ]
-            if parts:
-                means = {name: np.concatenate([part[name] for part in parts]) for name in parts[0]}
+            # Plane means per batch (a few floats per image, the images megabytes), joined, then
+            # un-normalised once for the tick with the spec parsed once.
+            spec = ChannelSpec.of(self.preprocessing)
+            parts = [_planes(inputs[self.image_input], spec) for inputs, _ in batches if self.image_input in inputs]
+            present = [part for part in parts if part is not None]
+            if present:
+                means = spec.features(present[0] if len(present) == 1 else np.concatenate(present))
         logits = _stack([outputs.get(self.logits) for _, outputs in batches] if self.logits else [])
         self.observe_features(means, logits)
 
@@ -118,6 +117,17 @@ class VersionMonitors:
         if logits is not None and logits.ndim == 2 and logits.shape[0]:
             summary = self.entropy.observe(logits)
             self.metrics.observe_entropy(self.model, self.version, summary.entropy_bits, summary.collapsed)
+
+
+def _planes(batch: Any, spec: ChannelSpec) -> Array | None:
+    """``plane_means`` of one batch's image input; None for a batch that is not NCHW (skipped, as
+    before); a wrong channel count is refused as ``channel_means`` refuses it."""
+    if np.ndim(batch) != 4:
+        return None
+    array = np.asarray(batch)
+    if array.shape[1] != len(spec.names):
+        raise ValueError(f"channel_means needs an (N, {len(spec.names)}, H, W) batch, got shape {array.shape}")
+    return plane_means(array)
 
 
 def _stack(arrays: list[Array | None]) -> Array | None:
