@@ -183,6 +183,9 @@ class DynamicBatcher:
         self._requests = self._rows = self._batches = self._failures = 0
         self._rejected = self._cancelled = self._peak_queued = 0
         self._queue_ns_total = self._exec_ns_total = self._last_inference_ms = 0
+        # Held by whoever runs a batch: the worker, or a caller of ``call`` that found the worker idle.
+        self._runner = threading.Lock()
+        self._worker_waiting = False  # the worker is blocked on an empty inbox (read without a lock: a hint)
         self._thread = threading.Thread(target=self._work, name=name, daemon=True)
         self._thread.start()
 
@@ -223,8 +226,34 @@ class DynamicBatcher:
         if rows < 1 or rows > self._max_rows:
             raise InvalidInput(f"model {self.name}: batch size {rows}; expected 1 to {self._max_rows} (max_batch_size)")
         slot = _Slot()
-        self._enqueue(_Request(inputs, rows, signature, trace, slot))
+        request = _Request(inputs, rows, signature, trace, slot)
+        if self.worker_idle and self._runner.acquire(blocking=False):
+            # The worker sleeps on an empty queue: run the request here. Handing a lone request to the
+            # worker and back costs two thread wake-ups and two GIL hand-offs (c=1: +5 % throughput when
+            # run here). Only then: a worker merely between two batches will find more requests queued,
+            # and running them one by one here cost 2 % at c=32.
+            try:
+                if self._idle():
+                    with self._lock:
+                        if self._stopping:
+                            raise ModelNotReady(
+                                f"model {self.name} is stopping and takes no new requests; retry on another version"
+                            )
+                    self._execute([request], rows)
+                    return slot.wait()  # resolved by _execute: returns at once
+            finally:
+                self._runner.release()
+        self._enqueue(request)
         return slot.wait()
+
+    @property
+    def worker_idle(self) -> bool:
+        """The worker sleeps on an empty queue: a ``call`` now runs on its caller's thread."""
+        return self._worker_waiting and self._idle()
+
+    def _idle(self) -> bool:
+        """Nothing waiting for the worker (its inbox and its pending list are both empty)."""
+        return self._inbox.empty() and not self._pending
 
     def _enqueue(self, request: _Request) -> None:
         with self._lock:
@@ -313,18 +342,21 @@ class DynamicBatcher:
         try:
             while pending or not stopping:
                 if not pending:
+                    self._worker_waiting = True
                     item = self._inbox.get()  # idle: block until work or the stop sentinel
+                    self._worker_waiting = False
                     if item is None:
                         stopping = True
                         continue
                     pending.append(item)
-                stopping = self._drain() or stopping
-                batch, rows, cancelled, stopping = self._collect(stopping)
-                with self._lock:
-                    self._depth -= len(batch) + cancelled
-                    self._cancelled += cancelled
-                if batch:
-                    self._execute(batch, rows)
+                with self._runner:  # a caller running a lone request inline finishes first
+                    stopping = self._drain() or stopping
+                    batch, rows, cancelled, stopping = self._collect(stopping)
+                    with self._lock:
+                        self._depth -= len(batch) + cancelled
+                        self._cancelled += cancelled
+                    if batch:
+                        self._execute(batch, rows)
         finally:
             self._abandon()
 

@@ -465,6 +465,8 @@ class DataPlane:
                         f"model {name!r} has no loaded version {version!r} (loaded: {', '.join(versions)})"
                     )
                 return found
+            if len(versions) == 1:  # whatever the weights say, the only loaded version serves (choose's rule)
+                return next(iter(versions.values()))
             return versions[self.traffic.choose(name, list(versions))]
 
     def validate(self, loaded: LoadedVersion, inputs: Sequence[Tensor]) -> dict[str, np.ndarray]:

@@ -451,3 +451,57 @@ def test_a_failing_output_hook_does_not_stop_batching(batchers: list[DynamicBatc
     for seq in range(3):
         x = rows_for(2, seq, 1)
         assert np.array_equal(batcher.call({"x": x}, 1, signature({"x": x}))["y"], x * 3)
+
+
+def test_a_lone_call_runs_on_the_callers_thread_and_queued_ones_batch_on_the_worker(
+    batchers: list[DynamicBatcher],
+) -> None:
+    """With the worker asleep on an empty queue ``call`` runs the request itself (no hand-off); while a
+    batch runs, callers queue and the worker batches them; either way stats, observer and hook see all."""
+    threads_seen: list[str] = []
+
+    def run(inputs: dict[str, Array]) -> dict[str, Array]:
+        threads_seen.append(threading.current_thread().name)
+        return triple(inputs)
+
+    gate = Gate(run)
+    recorder, hooked = Recorder(), []
+    batcher = make(
+        batchers, run, max_batch_size=8, observer=recorder, on_outputs=lambda i, o: hooked.append(len(i["x"]))
+    )
+    deadline = time.monotonic() + 5
+    while not batcher.worker_idle and time.monotonic() < deadline:  # the worker reaches its empty queue
+        time.sleep(0.01)
+    x = rows_for(1, 0, 2)
+    assert np.array_equal(batcher.call({"x": x}, 2, signature({"x": x}))["y"], x * 3)
+    assert threads_seen == [threading.current_thread().name], "a lone request runs on the caller's thread"
+    assert batcher.stats().requests == 1 and recorder.sizes == [2] and hooked == [2]
+
+    # A batch in flight (the gate holds the first inline call): the others queue for the worker.
+    gate_batcher = make(batchers, gate, max_batch_size=8, name="gated:1")
+    while not gate_batcher.worker_idle and time.monotonic() < deadline:
+        time.sleep(0.01)
+    first = threading.Thread(target=gate_batcher.call, args=({"x": rows_for(2, 0, 1)}, 1, signature({"x": x})))
+    first.start()
+    assert gate.entered.wait(5)
+    answers: list[bool] = []
+
+    def caller(index: int) -> None:
+        rows = rows_for(3, index, 1)
+        answers.append(np.array_equal(gate_batcher.call({"x": rows}, 1, signature({"x": rows}))["y"], rows * 3))
+
+    others = [threading.Thread(target=caller, args=(i,)) for i in range(6)]
+    for thread in others:
+        thread.start()
+    while gate_batcher.stats().queued < 6 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    gate.release.set()
+    for thread in [first, *others]:
+        thread.join(10)
+    assert answers == [True] * 6
+    stats = gate_batcher.stats()
+    assert stats.requests == 7 and stats.batches == 2, stats  # the inline one, then the six in one batch
+    assert gate_batcher.stop(timeout=5)
+    with pytest.raises(ModelNotReady):
+        batcher.stop(timeout=5)
+        batcher.call({"x": x}, 2, signature({"x": x}))
