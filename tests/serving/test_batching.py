@@ -502,6 +502,20 @@ def test_a_lone_call_runs_on_the_callers_thread_and_queued_ones_batch_on_the_wor
     stats = gate_batcher.stats()
     assert stats.requests == 7 and stats.batches == 2, stats  # the inline one, then the six in one batch
     assert gate_batcher.stop(timeout=5)
+
+    # With a queue delay a lone request waits for company on the worker, as configured.
+    delayed_threads: list[str] = []
+
+    def delayed_run(inputs: dict[str, Array]) -> dict[str, Array]:
+        delayed_threads.append(threading.current_thread().name)
+        return triple(inputs)
+
+    delayed = make(batchers, delayed_run, max_queue_delay_us=30_000, name="delayed:1")
+    while not delayed.worker_idle and time.monotonic() < deadline:
+        time.sleep(0.01)
+    start = time.monotonic()
+    assert np.array_equal(delayed.call({"x": x}, 2, signature({"x": x}))["y"], x * 3)
+    assert delayed_threads == ["delayed:1"] and time.monotonic() - start >= 0.025
     with pytest.raises(ModelNotReady):
         batcher.stop(timeout=5)
         batcher.call({"x": x}, 2, signature({"x": x}))
