@@ -501,6 +501,15 @@ def test_a_lone_call_runs_on_the_callers_thread_and_queued_ones_batch_on_the_wor
     assert answers == [True] * 6
     stats = gate_batcher.stats()
     assert stats.requests == 7 and stats.batches == 2, stats  # the inline one, then the six in one batch
+    assert threads_seen[-2:] == [first.name, "gated:1"], threads_seen
+
+    # After a batch of several, more callers are on their way: the next request goes to the worker even
+    # though it sleeps on an empty queue; after that lone batch, requests run inline again.
+    for expected in ("gated:1", threading.current_thread().name):
+        while not gate_batcher.worker_idle and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert np.array_equal(gate_batcher.call({"x": x}, 2, signature({"x": x}))["y"], x * 3)
+        assert threads_seen[-1] == expected, threads_seen
     assert gate_batcher.stop(timeout=5)
 
     # With a queue delay a lone request waits for company on the worker, as configured.
