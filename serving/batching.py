@@ -186,10 +186,7 @@ class DynamicBatcher:
         # Held by whoever runs a batch: the worker, or a caller of ``call`` that found the worker idle.
         self._runner = threading.Lock()
         self._worker_waiting = False  # the worker is blocked on an empty inbox (read without a lock: a hint)
-        # The last batch had one request: callers come one at a time, so one finding the worker idle runs
-        # inline. After a batch of several, more callers are on their way (decoding, or answering and
-        # about to send again); running the first of them alone here halved the batches at c=32.
-        self._lone = True
+        self._lone = True  # the last batch had one request (see ``call``); a hint like _worker_waiting
         self._thread = threading.Thread(target=self._work, name=name, daemon=True)
         self._thread.start()
 
@@ -236,8 +233,8 @@ class DynamicBatcher:
             # here. Handing a lone request to the worker and back costs two thread wake-ups and two GIL
             # hand-offs (c=1: +5 % throughput when run here). Not after a batch of several: under load the
             # queue is empty only for the moment between two batches, and a request run here alone (the
-            # worker waiting on it) made the mean batch 3.2-3.6 rows instead of 7.7 at c=32 with a cap of
-            # 8, 8 % fewer inferences a second. Never with a queue delay: there a lone request waits up
+            # worker waiting on it) made the mean batch 2.9-3.6 rows instead of 6.6-6.8 at c=32 with a cap
+            # of 8, 7 % fewer inferences a second (c=8: 11 %). Never with a queue delay: there a lone request waits up
             # to max_queue_delay_us for company (Triton's meaning), on the worker.
             try:
                 if self._idle():
@@ -255,8 +252,8 @@ class DynamicBatcher:
 
     @property
     def worker_idle(self) -> bool:
-        """The worker sleeps on an empty queue: after a lone request's batch, a ``call`` now runs on its
-        caller's thread."""
+        """The worker sleeps on an empty queue (a ``call`` now runs on its caller's thread if the last
+        batch was a lone request)."""
         return self._worker_waiting and self._idle()
 
     def _idle(self) -> bool:
