@@ -263,6 +263,27 @@ def running_reference(models: Mapping[str, Path], work: Path, prefix: list[str],
 
 
 @contextlib.contextmanager
+def running_native(
+    models: Mapping[str, Path], work: Path, prefix: list[str], *, max_batch: int, module_dir: Path
+) -> Iterator[Server]:
+    """``benchmarks/native_reference`` (the C++ front end built in ``module_dir``) on a free loopback port;
+    like the grpcio reference it loads its models before it listens."""
+    port = free_port()
+    argv = [*prefix, sys.executable, "-m", "benchmarks.native_reference", "--port", str(port)]
+    argv += ["--module-dir", str(module_dir), "--max-batch", str(max_batch)]
+    argv += [f"{name}={path}" for name, path in models.items()]
+
+    def ready() -> bool:
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
+            return True
+        return False
+
+    log = work / "native.log"
+    with started(argv, {**os.environ, "PEERBENCH_ORT_THREADS": "1"}, log, ready) as pid:
+        yield Server(pid, port, log)
+
+
+@contextlib.contextmanager
 def started(argv: list[str], env: Mapping[str, str], log_path: Path, ready: Callable[[], bool]) -> Iterator[int]:
     """Start ``argv`` in its own process group, output to ``log_path``; yield its pid once ``ready()``.
 

@@ -12,6 +12,9 @@ its answers checked against ORT's first:
 - ``ours``: ``python -m serving`` with default settings (all observability on), ORT one intra-op thread;
 - ``ours_telemetry_off``: the same with ``SLUICEGATE_SERVING__TELEMETRY=false`` (small and medium c=32);
 - ``reference``: ``benchmarks/reference_server.py``, a minimal grpcio server with a dynamic batcher;
+- ``native``: ``benchmarks/native_reference``, the same batcher behind a C++ gRPC front end that calls
+  Python once per batch (built once with ``native_reference/build.py``; ``--no-native`` skips it): what a
+  faster path than grpcio's Python layer per request reaches, measured like the others, judged by no target;
 - ``triton`` and ``kserve``: the peers (``benchmarks/peers.py``; set up once with the harness's
   ``setup_venvs.sh`` when missing);
 - the cores points: the small model from several v2load processes at once (one channel would load one of
@@ -47,6 +50,8 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import peers
+from benchmarks.native_reference.build import BuildUnavailable
+from benchmarks.native_reference.build import build as build_native
 from benchmarks.serving_harness import (
     NOISE_CORES,
     CorePins,
@@ -70,12 +75,14 @@ from benchmarks.serving_harness import (
     revision,
     run_channels,
     run_load,
+    running_native,
     running_reference,
     running_server,
 )
 from benchmarks.serving_report import (
     KSERVE,
     LIMIT,
+    NATIVE,
     OFF,
     OURS,
     REFERENCE,
@@ -130,6 +137,7 @@ class Setup:
     client_cpu: list[str]
     core_pins: dict[int, CorePins]
     peer_root: Path | None  # None: --no-peers
+    native_dir: Path | None = None  # the built native front end (None: --no-native, or it could not be built)
 
 
 def jobs(setup: Setup) -> list[Job]:
@@ -150,6 +158,16 @@ def jobs(setup: Setup) -> list[Job]:
             lambda pin, log: running_reference(model_files(work), work, pin, max_batch=REFERENCE_MAX_BATCH),
         ),
     ]
+    if (native_dir := setup.native_dir) is not None:
+        found.append(
+            Job(
+                NATIVE,
+                both,
+                lambda pin, log: running_native(
+                    model_files(work), work, pin, max_batch=REFERENCE_MAX_BATCH, module_dir=native_dir
+                ),
+            )
+        )
     if setup.peer_root is not None:
         found += [
             Job(TRITON, both, peer(setup, peers.running_triton, ("small", "medium")), cores_point=one_core),
@@ -290,7 +308,7 @@ def to_repeat(lines: Lines) -> Repeat:
     repeat = Repeat()
     labels = {x["label"] for x in lines if x["kind"] == "v2grpc"}
     repeat.rows[LIMIT] = limit_row(lines)
-    for key in (OURS, REFERENCE, TRITON, KSERVE):
+    for key in (OURS, REFERENCE, NATIVE, TRITON, KSERVE):
         if key in labels:
             repeat.rows[key] = server_row(lines, key)
     if OFF in labels:
@@ -326,7 +344,7 @@ def cores_notes(setup: Setup, args: argparse.Namespace) -> tuple[str, dict[int, 
 
 
 def run_notes(
-    setup: Setup, args: argparse.Namespace, pin_note: str, busy: float, every: Lines, problems: Any
+    setup: Setup, args: argparse.Namespace, pin_note: str, busy: float, every: Lines, problems: Any, native_note: str
 ) -> dict[str, Any]:
     """How the run went: durations, pinning, revision, noise, settings, versions, and the servers' logs."""
     workers = "workers" in ServingSettings.model_fields
@@ -339,10 +357,12 @@ def run_notes(
         "max_batch_size": {
             "ours": {"small": args.small_max_batch, "medium": args.medium_max_batch},
             "grpcio reference": REFERENCE_MAX_BATCH,
+            "native reference": REFERENCE_MAX_BATCH,
             "Triton": f"{peers.TRITON_MAX_BATCH} rows, max queue delay {peers.TRITON_MAX_DELAY_US} us",
             "KServe": "no batching",
         },
         "peers": str(setup.peer_root) if setup.peer_root else "not measured (--no-peers)",
+        "native reference": native_note,
         "cores points": f"ours with {WORKERS_ENV}=N"
         if workers
         else f"ours: this server has no {WORKERS_ENV} yet, so one process on N cores",
@@ -391,6 +411,7 @@ def parse_args() -> argparse.Namespace:
         f"(default: ${peers.ROOT_ENV[0]}, else ${peers.ROOT_ENV[1]}, else {peers.DEFAULT_ROOT})",
     )
     parser.add_argument("--no-peers", action="store_true", help="skip Triton and KServe (no setup either)")
+    parser.add_argument("--no-native", action="store_true", help="skip the native reference (no build either)")
     parser.add_argument(
         "--channels",
         type=int,
@@ -411,6 +432,21 @@ def parse_args() -> argparse.Namespace:
     return fill_defaults(parser.parse_args(), quick, {"duration": 12.0, "warmup": 3.0, "repeats": 2})
 
 
+def native_front(args: argparse.Namespace, peer_root: Path | None) -> tuple[Path | None, str]:
+    """The native reference's module folder (built once, cached beside the peers) and a note for the report;
+    None where it is skipped or cannot be built here (the run goes on without it and says why)."""
+    if args.no_native:
+        return None, "not measured (--no-native)"
+    cache = (peer_root or peers.default_root(os.environ)) / "native"
+    progress(f"native reference: building (cached under {cache})...")
+    try:
+        built = build_native(cache)
+    except BuildUnavailable as exc:
+        progress(f"native reference: not measured: {exc}")
+        return None, f"not measured: {exc}"
+    return built, f"C++ front end built in {built}"
+
+
 @contextlib.contextmanager
 def scratch(bench: Path, args: argparse.Namespace) -> Iterator[tuple[Path, Path]]:
     """A scratch folder with the models and our repository, removed after."""
@@ -429,6 +465,7 @@ def main() -> None:
     peer_root = None if args.no_peers else args.peer_root
     if peer_root is not None:
         peers.ensure_peers(bench, peer_root)
+    native_dir, native_note = native_front(args, peer_root)
     server_cpu, client, pin_note = pinning()
     progress(f"pinning: {pin_note}")
     held = len(os.sched_getaffinity(0))
@@ -437,7 +474,7 @@ def main() -> None:
     started = cpu_seconds()
     runs, problems = [], []
     with scratch(bench, args) as (work, repo):
-        setup = Setup(bench, work, repo, server_cpu, client, pins, peer_root)
+        setup = Setup(bench, work, repo, server_cpu, client, pins, peer_root, native_dir)
         for repeat in range(args.repeats):
             progress(f"repeat {repeat + 1}/{args.repeats}")
             lines, found = measure_repeat(setup, repeat, args)
@@ -445,7 +482,7 @@ def main() -> None:
             problems.append(found)
     repeats = [to_repeat(lines) for lines in runs]
     every = [line for lines in runs for line in lines]
-    notes = run_notes(setup, args, pin_note, others_cores(started), every, problems)
+    notes = run_notes(setup, args, pin_note, others_cores(started), every, problems, native_note)
     print(markdown(repeats, setup, args, notes))
     report = summary(repeats)
     raw = {**report, "targets": [asdict(t) for t in targets(repeats)], "repeats": [asdict(r) for r in repeats], **notes}

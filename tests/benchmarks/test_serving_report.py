@@ -9,14 +9,17 @@ import pytest
 from benchmarks.serving_report import (
     KSERVE,
     LIMIT,
+    NATIVE,
     OFF,
     OURS,
     REFERENCE,
+    TITLES,
     TRITON,
     Point,
     Repeat,
     Row,
     limit_row,
+    main_table,
     server_row,
     summary,
     targets,
@@ -87,6 +90,22 @@ def test_summary_without_peers_has_an_empty_peer_section() -> None:
     bare = Repeat({OURS: row(600, 1000, 27), REFERENCE: row(700, 1000, 27), LIMIT: row(3900, 4000, 28)})
 
     assert summary([bare])["peers"] == {}
+
+
+def test_the_native_reference_is_reported_beside_the_others_and_judged_by_no_target() -> None:
+    repeats = [repeat(1000, 500, 600), repeat(1200, 500, 600)]
+    for found, native in zip(repeats, (1500, 1700), strict=True):
+        found.rows[NATIVE] = row(900, native, 27.5)
+
+    out = summary(repeats)
+    table = "\n".join(main_table(repeats, TITLES))
+
+    assert out["native_reference"]["small_c32"]["infer_per_s"] == 1600
+    assert "| native / Triton (same repeat, median) | 6.92x (p50 1.00x) | 3.20x |" in table
+    assert "| native / grpcio reference (same repeat, median) | 1.29x (p50 1.00x) | 1.60x |" in table
+    assert "| ours / native reference (same repeat, median) |" in table
+    assert {t.name for t in targets(repeats)} == {t.name for t in targets([repeat(1000, 500, 600)])}
+    assert "native_reference" not in summary([repeat(1000, 500, 600)])
 
 
 def v2(label: str, model: str, concurrency: int, rate: float, errors: int = 0) -> dict[str, Any]:
