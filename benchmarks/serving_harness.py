@@ -264,13 +264,21 @@ def running_reference(models: Mapping[str, Path], work: Path, prefix: list[str],
 
 @contextlib.contextmanager
 def running_native(
-    models: Mapping[str, Path], work: Path, prefix: list[str], *, max_batch: int, module_dir: Path
+    models: Mapping[str, Path],
+    work: Path,
+    prefix: list[str],
+    *,
+    max_batch: int,
+    module_dir: Path,
+    records: Path | None = None,
 ) -> Iterator[Server]:
-    """``benchmarks/native_reference`` (the C++ front end built in ``module_dir``) on a free loopback port;
-    like the grpcio reference it loads its models before it listens."""
+    """``benchmarks/native_reference`` (the C++ front end built in ``module_dir``) on a free loopback port,
+    recording every request into ``records`` when given; like the grpcio reference it loads its models
+    before it listens."""
     port = free_port()
     argv = [*prefix, sys.executable, "-m", "benchmarks.native_reference", "--port", str(port)]
     argv += ["--module-dir", str(module_dir), "--max-batch", str(max_batch)]
+    argv += ["--records", str(records)] if records else []
     argv += [f"{name}={path}" for name, path in models.items()]
 
     def ready() -> bool:
@@ -278,7 +286,7 @@ def running_native(
             return True
         return False
 
-    log = work / "native.log"
+    log = work / ("native-recorded.log" if records else "native.log")
     with started(argv, {**os.environ, "PEERBENCH_ORT_THREADS": "1"}, log, ready) as pid:
         yield Server(pid, port, log)
 

@@ -18,11 +18,13 @@ FIELDS = ("small_c1", "small_c32", "medium_c32")
 POINTS = (("small", 1), ("small", 32), ("medium", 32))  # the FIELDS, as (model, concurrency)
 OURS, OFF, REFERENCE, LIMIT, TRITON, KSERVE = "ours", "ours_telemetry_off", "reference", "limit", "triton", "kserve"
 NATIVE = "native"  # benchmarks/native_reference: a yardstick like the reference, judged by no target
+NATIVE_REC = "native_recorded"  # the same with every request recorded (--records)
 TITLES = {
     OURS: "sluicegate, defaults (observability on)",
     OFF: "sluicegate, telemetry off",
     REFERENCE: "grpcio reference",
     NATIVE: "native reference (C++ gRPC front end, Python once per batch)",
+    NATIVE_REC: "native reference, every request recorded",
     TRITON: "Triton (PyTriton), dynamic batching",
     KSERVE: "KServe ModelServer",
     LIMIT: "ORT limit, in process (c=1: batch 1; others: best batch)",
@@ -220,12 +222,12 @@ def main_table(repeats: list[Repeat], titles: Mapping[str, str]) -> list[str]:
         "| server | small c=1 infer/s (p50) | small c=32 infer/s (p50) | medium c=32 infer/s (p50) |",
         "|---|---:|---:|---:|",
     ]
-    for key in (OURS, OFF, REFERENCE, NATIVE, TRITON, KSERVE, LIMIT):
+    for key in (OURS, OFF, REFERENCE, NATIVE, NATIVE_REC, TRITON, KSERVE, LIMIT):
         row = median_row(repeats, key)
         if row is not None:
             lines.append(table_row(titles[key], [cell(row.get(name)) for name in FIELDS]))
     pairs = [(OURS, other) for other in (TRITON, KSERVE, REFERENCE, NATIVE, LIMIT)]
-    pairs += [(NATIVE, other) for other in (TRITON, REFERENCE)]  # what the native front end moves
+    pairs += [(key, other) for key in (NATIVE, NATIVE_REC) for other in (TRITON, REFERENCE)]  # what it moves
     for key, other in pairs:
         ratios = [per_repeat(repeats, ratio(key, other, name)) for name in FIELDS]
         if all(r is None for r in ratios):
@@ -234,7 +236,7 @@ def main_table(repeats: list[Repeat], titles: Mapping[str, str]) -> list[str]:
         p50 = per_repeat(repeats, ratio(key, other, "small_c1", latency=True))
         if p50 is not None and other != LIMIT:
             cells[0] += f" (p50 {p50:.2f}x)"
-        name = "ours" if key == OURS else "native"
+        name = {OURS: "ours", NATIVE: "native", NATIVE_REC: "native recorded"}[key]
         lines.append(table_row(f"{name} / {titles[other].split(' (')[0].split(',')[0]} (same repeat, median)", cells))
     return lines
 
@@ -295,6 +297,7 @@ def summary(repeats: list[Repeat]) -> dict[str, Any]:
 
     peers = {key: section(key) for key in (TRITON, KSERVE) if any(key in r.rows for r in repeats)}
     found = {"ours": section(OURS), "reference": section(REFERENCE), "limit": section(LIMIT), "peers": peers}
-    if any(NATIVE in r.rows for r in repeats):
-        found["native_reference"] = section(NATIVE)
+    for key, name in ((NATIVE, "native_reference"), (NATIVE_REC, "native_reference_recorded")):
+        if any(key in r.rows for r in repeats):
+            found[name] = section(key)
     return found

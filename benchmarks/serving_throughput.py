@@ -15,6 +15,7 @@ its answers checked against ORT's first:
 - ``native``: ``benchmarks/native_reference``, the same batcher behind a C++ gRPC front end that calls
   Python once per batch (built once with ``native_reference/build.py``; ``--no-native`` skips it): what a
   faster path than grpcio's Python layer per request reaches, measured like the others, judged by no target;
+  ``native_recorded``: the same with every request recorded (``--records``), small and medium c=32;
 - ``triton`` and ``kserve``: the peers (``benchmarks/peers.py``; set up once with the harness's
   ``setup_venvs.sh`` when missing);
 - the cores points: the small model from several v2load processes at once (one channel would load one of
@@ -83,6 +84,7 @@ from benchmarks.serving_report import (
     KSERVE,
     LIMIT,
     NATIVE,
+    NATIVE_REC,
     OFF,
     OURS,
     REFERENCE,
@@ -159,15 +161,16 @@ def jobs(setup: Setup) -> list[Job]:
         ),
     ]
     if (native_dir := setup.native_dir) is not None:
-        found.append(
-            Job(
-                NATIVE,
-                both,
-                lambda pin, log: running_native(
-                    model_files(work), work, pin, max_batch=REFERENCE_MAX_BATCH, module_dir=native_dir
-                ),
+
+        def native(records: Path | None) -> Starter:
+            return lambda pin, log: running_native(
+                model_files(work), work, pin, max_batch=REFERENCE_MAX_BATCH, module_dir=native_dir, records=records
             )
-        )
+
+        found += [
+            Job(NATIVE, both, native(None)),
+            Job(NATIVE_REC, (("small", "32"), ("medium", "32")), native(work / "native-records.jsonl")),
+        ]
     if setup.peer_root is not None:
         found += [
             Job(TRITON, both, peer(setup, peers.running_triton, ("small", "medium")), cores_point=one_core),
@@ -311,8 +314,9 @@ def to_repeat(lines: Lines) -> Repeat:
     for key in (OURS, REFERENCE, NATIVE, TRITON, KSERVE):
         if key in labels:
             repeat.rows[key] = server_row(lines, key)
-    if OFF in labels:
-        repeat.rows[OFF] = server_row(lines, OFF, ("small_c32", "medium_c32"))
+    for key in (OFF, NATIVE_REC):
+        if key in labels:
+            repeat.rows[key] = server_row(lines, key, ("small_c32", "medium_c32"))
     for line in lines:
         if line["kind"] == "v2grpc" and "@" in line["label"]:
             if line["errors"]:

@@ -4,7 +4,7 @@
 #   postgresql               initdb, pg_ctl for the throwaway cluster (/usr/lib/postgresql/<major>/bin/)
 #   prometheus               promtool (/usr/bin/promtool): checks and unit-tests infra/prometheus/
 #   prometheus-alertmanager  amtool (/usr/bin/amtool): checks infra/alertmanager/alertmanager.yml
-#   g++ pkg-config libgrpc++-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc
+#   g++ pkg-config libgrpc++-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc libxxhash-dev
 #                            builds benchmarks/native_reference (C++ gRPC front end) for its test and the bench
 # Both Prometheus packages also ship a daemon, which a systemd host enables; the tests use only the tools
 # (`systemctl disable --now prometheus prometheus-alertmanager` stops them).
@@ -16,14 +16,14 @@ have_promtool() { command -v promtool >/dev/null 2>&1; }
 have_amtool() { command -v amtool >/dev/null 2>&1; }
 have_grpcpp() {
   command -v g++ >/dev/null 2>&1 && command -v protoc >/dev/null 2>&1 && command -v grpc_cpp_plugin >/dev/null 2>&1 &&
-    pkg-config --exists grpc++ protobuf 2>/dev/null
+    pkg-config --exists grpc++ protobuf libxxhash 2>/dev/null
 }
 
 missing=()
 have_pg || missing+=(postgresql)
 have_promtool || missing+=(prometheus)
 have_amtool || missing+=(prometheus-alertmanager)
-have_grpcpp || missing+=(g++ pkg-config libgrpc++-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc)
+have_grpcpp || missing+=(g++ pkg-config libgrpc++-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc libxxhash-dev)
 if [ "${#missing[@]}" -eq 0 ]; then exit 0; fi
 if [ "$(id -u)" != 0 ] || ! command -v apt-get >/dev/null; then
   echo "missing tools (initdb, promtool, amtool, grpc++ build tools): install the Debian packages: ${missing[*]}" >&2

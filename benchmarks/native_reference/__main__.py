@@ -8,8 +8,12 @@ array (the GIL released while it waits), runs ``session.run`` and hands the outp
 every request of the batch. So Python runs once per batch instead of once per request, and grpc's
 threads never take the GIL.
 
-It is a yardstick, not our server: no authentication, records, metrics, routing or load/unload. Binds
-127.0.0.1 only; SIGTERM or SIGINT stops it. The module is built by ``build.py`` (``--module-dir``).
+It is a yardstick, not our server: no authentication, metrics, routing or load/unload. With
+``--records FILE`` every request is recorded the way issue 19 asks of ours: C++ digests each input
+(XXH3-128, the digest our request records carry) and ``take`` returns the batch's (id, digest, rows); a
+writer thread appends them as JSON lines once per tick, so recording costs no per-request Python on the
+request path. Binds 127.0.0.1 only; SIGTERM or SIGINT stops it. The module is built by ``build.py``
+(``--module-dir``).
 
     python -m benchmarks.native_reference --module-dir DIR --port 9002 small=/tmp/models/small.onnx
 """
@@ -20,22 +24,72 @@ import argparse
 import importlib
 import logging
 import os
+import queue
 import signal
 import sys
 import threading
+import time
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
+
+import orjson
 
 from benchmarks.reference_server import HOST, STOP_GRACE_S, make_session, parse_models
 
 log = logging.getLogger("native_reference")
 
 
-def batch_forever(front: Any, index: int, session: Any, name: str) -> None:
-    """Take a batch, run it, answer it; until ``take`` says the server is stopping."""
+class RecordWriter:
+    """Appends the records of each batch to a JSON-lines file from its own thread, one write per tick."""
+
+    TICK_S = 0.2
+
+    def __init__(self, path: Path) -> None:
+        self._queue: queue.SimpleQueue[tuple[float, str, list[tuple[str, str, int]]] | None] = queue.SimpleQueue()
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        self._file: BinaryIO = os.fdopen(fd, "ab")
+        self._thread = threading.Thread(target=self._write_forever, name="records", daemon=True)
+        self._thread.start()
+
+    def add(self, when: float, model: str, records: list[tuple[str, str, int]]) -> None:
+        self._queue.put((when, model, records))
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join()
+        self._file.close()
+
+    def _write_forever(self) -> None:
+        while True:
+            item = self._queue.get()
+            lines, done = [], False
+            while item is not None:
+                when, model, records = item
+                lines += [
+                    orjson.dumps({"ts": when, "request_id": rid, "model": model, "input_digest": digest, "rows": rows})
+                    for rid, digest, rows in records
+                ]
+                try:
+                    item = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+            else:
+                done = True
+            if lines:
+                self._file.write(b"\n".join(lines) + b"\n")
+                self._file.flush()
+            if done:
+                return
+            time.sleep(self.TICK_S)
+
+
+def batch_forever(front: Any, index: int, session: Any, name: str, writer: RecordWriter | None) -> None:
+    """Take a batch, run it, answer it, hand its records to the writer; until ``take`` says stop."""
     input_name, output_name = session.get_inputs()[0].name, session.get_outputs()[0].name
     while (taken := front.take(index)) is not None:
-        rows, batch = taken
+        rows, batch, records = taken
+        if writer is not None and records is not None:
+            writer.add(time.time(), name, records)
         try:
             outputs = session.run([output_name], {input_name: rows})[0]
         except Exception as exc:  # ONNX Runtime refused the batch: its requests get INTERNAL, the loop goes on
@@ -57,6 +111,7 @@ def main() -> None:
     parser.add_argument("--port", type=int, required=True, help=f"gRPC port on {HOST}")
     parser.add_argument("--max-batch", type=int, default=8, help="most rows per session.run (the bench's cap)")
     parser.add_argument("--module-dir", type=Path, required=True, help="where build.py put the module")
+    parser.add_argument("--records", type=Path, help="record every request (id, input digest) as JSON lines here")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     sys.path.insert(0, str(args.module_dir))
@@ -64,6 +119,7 @@ def main() -> None:
     threads = int(os.environ.get("PEERBENCH_ORT_THREADS", "1"))  # the peers' knob, as in the reference
     # Blocked before any thread starts (grpc's too), so only sigwait below receives them.
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
+    writer = RecordWriter(args.records) if args.records else None
     batchers = []
     for name, path in parse_models(args.models).items():
         session = make_session(path, threads)
@@ -78,26 +134,31 @@ def main() -> None:
             row_shape(outputs[0].shape[1:], f"model {name} output"),
             args.max_batch,
         )
-        batcher = threading.Thread(target=batch_forever, args=(front, index, session, name), name=f"batcher-{name}")
+        batcher = threading.Thread(
+            target=batch_forever, args=(front, index, session, name, writer), name=f"batcher-{name}"
+        )
         batcher.start()
         batchers.append(batcher)
     try:
-        front.start(f"{HOST}:{args.port}")
+        front.start(f"{HOST}:{args.port}", writer is not None)
     except OSError as exc:
-        stop(front, batchers, 0.0)
+        stop(front, batchers, 0.0, writer)
         raise SystemExit(f"cannot bind {HOST}:{args.port}: {exc}") from exc
     log.info("serving on %s:%d (native front end, ORT intra-op threads %d)", HOST, args.port, threads)
     signum = signal.sigwait({signal.SIGTERM, signal.SIGINT})
     log.info("signal %d: stopping", signum)
-    stop(front, batchers, STOP_GRACE_S)
+    stop(front, batchers, STOP_GRACE_S, writer)
     log.info("stopped")
 
 
-def stop(front: Any, batchers: list[threading.Thread], grace_s: float) -> None:
-    """Refuse new calls, answer those in flight within ``grace_s``, let every batcher return."""
+def stop(front: Any, batchers: list[threading.Thread], grace_s: float, writer: RecordWriter | None) -> None:
+    """Refuse new calls, answer those in flight within ``grace_s``, let every batcher return, write the
+    last records."""
     front.stop(grace_s)
     for batcher in batchers:
         batcher.join()
+    if writer is not None:
+        writer.close()
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """Build the native reference's front end (``front.cc``) into a Python extension module, once per content.
 
-The module links grpc++ and protobuf from the system (Debian: ``libgrpc++-dev``, ``protobuf-compiler-grpc``);
+The module links grpc++ and protobuf from the system (Debian: ``libgrpc++-dev``, ``protobuf-compiler-grpc``;
+``libxxhash-dev`` for the request digests, header-only);
 PyPI's grpcio ships no C++ headers. The V2 service's C++ code is generated from our
 ``serving/proto/grpc_service.proto``, so the wire format is the one every other server here speaks. The
 result is cached under ``CACHE/native-<hash of the sources, Python, numpy and grpc++ versions>``, so
@@ -15,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+import stat
 import subprocess
 import sys
 import sysconfig
@@ -34,8 +36,10 @@ DEBIAN_PACKAGES = (
     "libprotobuf-dev",
     "protobuf-compiler",
     "protobuf-compiler-grpc",
+    "libxxhash-dev",
 )
 TOOLS = ("g++", "pkg-config", "protoc", "grpc_cpp_plugin")
+LIBRARIES = ("grpc++", "protobuf", "libxxhash")  # pkg-config names; xxhash is used header-only
 BUILD_TIMEOUT_S = 600
 
 
@@ -46,8 +50,8 @@ class BuildUnavailable(RuntimeError):
 def missing() -> list[str]:
     """Tools or libraries the build needs that this machine lacks."""
     lacking = [tool for tool in TOOLS if shutil.which(tool) is None]
-    if "pkg-config" not in lacking and run(["pkg-config", "--exists", "grpc++", "protobuf"], check=False).returncode:
-        lacking.append("grpc++/protobuf development files")
+    if "pkg-config" not in lacking and run(["pkg-config", "--exists", *LIBRARIES], check=False).returncode:
+        lacking.append("grpc++/protobuf/xxhash development files")
     return lacking
 
 
@@ -73,9 +77,20 @@ def cache_key() -> str:
     digest = hashlib.sha256()
     for part in (SOURCE.read_bytes(), PROTO.read_bytes()):
         digest.update(part)
-    grpc_version = run(["pkg-config", "--modversion", "grpc++", "protobuf"]).stdout
+    grpc_version = run(["pkg-config", "--modversion", *LIBRARIES]).stdout
     digest.update(f"{sys.version}|{np.__version__}|{grpc_version}".encode())
     return digest.hexdigest()[:16]
+
+
+def trusted(*paths: Path) -> None:
+    """Refuse a cached module someone else could have put there: the cache sits under /tmp by default, and
+    importing a planted module runs its code as whoever runs the benchmark."""
+    for path in paths:
+        info = path.stat()
+        if info.st_uid != os.geteuid() or info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+            raise BuildUnavailable(
+                f"{path} is not owned by this user or is writable by others: remove it and run again"
+            )
 
 
 def build(cache: Path) -> Path:
@@ -87,8 +102,9 @@ def build(cache: Path) -> Path:
     target = cache / f"native-{cache_key()}"
     suffix = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
     if (target / f"{MODULE}{suffix}").is_file():
+        trusted(cache, target, target / f"{MODULE}{suffix}")
         return target
-    cache.mkdir(parents=True, exist_ok=True)
+    cache.mkdir(mode=0o755, parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=cache, prefix=".building-") as scratch:
         out = Path(scratch)
         plugin = shutil.which("grpc_cpp_plugin")
@@ -100,12 +116,14 @@ def build(cache: Path) -> Path:
         module = out / f"{MODULE}{suffix}"
         run(["g++", "-O2", "-fPIC", "-shared", "-std=c++17", *include, *sources, *flags, "-o", str(module)])
         staged = cache / f".{target.name}-{os.getpid()}"
-        staged.mkdir()
+        staged.mkdir(mode=0o755)
         shutil.move(str(module), staged / module.name)
+        (staged / module.name).chmod(0o755)  # whatever the umask: trusted() checks these bits
         try:
             staged.rename(target)  # atomic: two builds at once leave one complete folder
         except OSError:
             shutil.rmtree(staged, ignore_errors=True)
+    trusted(cache, target, target / f"{MODULE}{suffix}")
     return target
 
 

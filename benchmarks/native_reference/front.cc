@@ -9,6 +9,8 @@
 #include <numpy/arrayobject.h>
 
 #include <grpcpp/grpcpp.h>
+#define XXH_INLINE_ALL  // header-only: the digest must not depend on which libxxhash is installed
+#include <xxhash.h>
 
 #include <chrono>
 #include <condition_variable>
@@ -50,6 +52,7 @@ struct Model {
 std::vector<std::unique_ptr<Model>> g_models;
 std::unordered_map<std::string, Model*> g_by_name;
 std::unique_ptr<grpc::Server> g_server;
+bool g_record = false;  // take() also returns each request's (id, input digest)
 
 struct Batch {
   Model* model;
@@ -173,10 +176,12 @@ PyObject* add_model(PyObject*, PyObject* args) {
   return PyLong_FromSize_t(g_models.size() - 1);
 }
 
-// start(address): listen and serve on grpc's own threads.
+// start(address, record): listen and serve on grpc's own threads.
 PyObject* start(PyObject*, PyObject* args) {
   const char* address;
-  if (!PyArg_ParseTuple(args, "s", &address)) return nullptr;
+  int record = 0;
+  if (!PyArg_ParseTuple(args, "s|p", &address, &record)) return nullptr;
+  g_record = record != 0;
   g_service = new Service();
   grpc::ServerBuilder builder;
   int port = 0;
@@ -222,7 +227,23 @@ void free_batch(PyObject* capsule) {
   delete batch;
 }
 
-// take(model_index) -> (rows, batch) with rows a float32 array of up to max_batch rows; None once stopping.
+// The digest our server's request records carry (serving/observability/logs.py): "xxh3-128:" and the
+// canonical (big-endian) hex of XXH3-128, seed 0, of the input bytes.
+std::string digest_of(const std::string& data) {
+  XXH128_canonical_t canonical;
+  XXH128_canonicalFromHash(&canonical, XXH3_128bits(data.data(), data.size()));
+  static const char kHex[] = "0123456789abcdef";
+  std::string out = "xxh3-128:";
+  for (unsigned char byte : canonical.digest) {
+    out.push_back(kHex[byte >> 4]);
+    out.push_back(kHex[byte & 15]);
+  }
+  return out;
+}
+
+// take(model_index) -> (rows, batch, records) with rows a float32 array of up to max_batch rows and
+// records a list of (request id, input digest, rows) when start() was asked to record (else None);
+// None once stopping.
 PyObject* take(PyObject*, PyObject* args) {
   long index;
   if (!PyArg_ParseTuple(args, "l", &index)) return nullptr;
@@ -259,14 +280,30 @@ PyObject* take(PyObject*, PyObject* args) {
   }
   Batch* raw = batch.release();
   char* dst = static_cast<char*>(PyArray_DATA(reinterpret_cast<PyArrayObject*>(rows)));
+  std::vector<std::string> digests;
   Py_BEGIN_ALLOW_THREADS;
   for (auto& p : raw->items) {
     const std::string& data = p.request->raw_input_contents(0);
     std::memcpy(dst, data.data(), data.size());
     dst += data.size();
+    if (g_record) digests.push_back(digest_of(data));
   }
   Py_END_ALLOW_THREADS;
-  return Py_BuildValue("(NN)", rows, capsule);
+  if (!g_record) return Py_BuildValue("(NNO)", rows, capsule, Py_None);
+  PyObject* records = PyList_New(static_cast<Py_ssize_t>(raw->items.size()));
+  for (size_t i = 0; records != nullptr && i < raw->items.size(); ++i) {
+    const std::string& id = raw->items[i].request->id();
+    PyObject* item = Py_BuildValue("(s#s#L)", id.data(), static_cast<Py_ssize_t>(id.size()), digests[i].data(),
+                                   static_cast<Py_ssize_t>(digests[i].size()),
+                                   static_cast<long long>(raw->items[i].rows));
+    if (item == nullptr) Py_CLEAR(records);
+    else PyList_SET_ITEM(records, static_cast<Py_ssize_t>(i), item);
+  }
+  if (records == nullptr) {  // a request id that is not UTF-8, or out of memory: the batch still runs
+    PyErr_Clear();
+    records = Py_NewRef(Py_None);
+  }
+  return Py_BuildValue("(NNN)", rows, capsule, records);
 }
 
 Batch* batch_of(PyObject* capsule) {
@@ -326,9 +363,9 @@ PyObject* fail(PyObject*, PyObject* args) {
 
 PyMethodDef kMethods[] = {
     {"add_model", add_model, METH_VARARGS, "add_model(name, input, row_shape, output, output_row_shape, max_batch)"},
-    {"start", start, METH_VARARGS, "start(address) -> bound port"},
+    {"start", start, METH_VARARGS, "start(address, record=False) -> bound port"},
     {"stop", stop, METH_VARARGS, "stop(grace_s)"},
-    {"take", take, METH_VARARGS, "take(model_index) -> (rows, batch) or None once stopping"},
+    {"take", take, METH_VARARGS, "take(model_index) -> (rows, batch, records) or None once stopping"},
     {"finish", finish, METH_VARARGS, "finish(batch, outputs)"},
     {"fail", fail, METH_VARARGS, "fail(batch, message)"},
     {nullptr, nullptr, 0, nullptr},

@@ -4,9 +4,11 @@ checked against ONNX Runtime in process, bad requests refused, stopped cleanly b
 from __future__ import annotations
 
 import contextlib
+import json
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from concurrent import futures
 from dataclasses import dataclass
@@ -18,6 +20,7 @@ import onnxruntime as ort
 import pytest
 
 from benchmarks.native_reference.build import BuildUnavailable, build
+from serving.observability.logs import raw_digest
 from serving.proto import grpc_service_pb2 as pb
 from serving.proto import grpc_service_pb2_grpc as pbg
 from tasks.conversion import export_onnx
@@ -53,10 +56,11 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> Built:
 
 
 @contextlib.contextmanager
-def serving(built: Built) -> Iterator[Native]:
+def serving(built: Built, records: Path | None = None) -> Iterator[Native]:
     port = free_port()
     argv = [sys.executable, "-m", "benchmarks.native_reference", "--port", str(port)]
     argv += ["--module-dir", str(built.module_dir), "--max-batch", "8", f"pcb={built.model}"]
+    argv += ["--records", str(records)] if records else []
     with (built.work / f"native-{port}.log").open("wb") as log:
         process = subprocess.Popen(argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
     channel = grpc.insecure_channel(f"127.0.0.1:{port}")
@@ -73,16 +77,18 @@ def serving(built: Built) -> Iterator[Native]:
 
 @pytest.fixture(scope="module")
 def native(built: Built) -> Iterator[Native]:
-    with serving(built) as running:
+    with serving(built, built.work / "records.jsonl") as running:
         yield running
 
 
-def infer(stub: pbg.GRPCInferenceServiceStub, rows: np.ndarray, *, shape: list[int] | None = None) -> np.ndarray:
-    request = pb.ModelInferRequest(model_name="pcb", id="r1")
+def infer(
+    stub: pbg.GRPCInferenceServiceStub, rows: np.ndarray, *, shape: list[int] | None = None, request_id: str = "r1"
+) -> np.ndarray:
+    request = pb.ModelInferRequest(model_name="pcb", id=request_id)
     request.inputs.add(name="input", datatype="FP32", shape=shape or list(rows.shape))
     request.raw_input_contents.append(rows.astype(np.float32).tobytes())
     response = stub.ModelInfer(request, timeout=30)
-    assert response.id == "r1" and response.model_name == "pcb"
+    assert response.id == request_id and response.model_name == "pcb"
     return np.frombuffer(response.raw_output_contents[0], dtype=np.float32).reshape(tuple(response.outputs[0].shape))
 
 
@@ -102,6 +108,25 @@ def test_answers_match_onnx_runtime_alone_and_in_batches(native: Native) -> None
         answers = list(pool.map(lambda rows: infer(native.stub, rows), singles))
     for rows, answer in zip(singles, answers, strict=True):
         np.testing.assert_allclose(answer, expected(native.session, rows), rtol=1e-5, atol=1e-5)
+
+
+def test_every_request_is_recorded_with_the_digest_our_records_carry(native: Native, built: Built) -> None:
+    rng = np.random.default_rng(1)
+    sent = {f"rec-{i}": rng.random((1 + i % 3, *SHAPE), dtype=np.float32) for i in range(24)}
+    with futures.ThreadPoolExecutor(8) as pool:
+        list(pool.map(lambda item: infer(native.stub, item[1], request_id=item[0]), sent.items()))
+
+    found: dict[str, dict[str, object]] = {}
+    deadline = time.monotonic() + 10
+    while set(sent) - set(found) and time.monotonic() < deadline:
+        time.sleep(0.2)  # the writer appends once per tick
+        lines = (built.work / "records.jsonl").read_bytes().splitlines()
+        found = {str(r["request_id"]): r for r in map(json.loads, lines) if str(r["request_id"]) in sent}
+
+    assert set(found) == set(sent)
+    for request_id, rows in sent.items():
+        assert found[request_id]["input_digest"] == raw_digest([rows.tobytes()])  # what lineage looks up
+        assert found[request_id]["rows"] == len(rows) and found[request_id]["model"] == "pcb"
 
 
 def test_metadata_describes_the_model(native: Native) -> None:
@@ -153,3 +178,14 @@ def test_without_the_tools_the_build_says_what_to_install(tmp_path: Path, monkey
     with pytest.raises(BuildUnavailable, match=r"apt-get install .*libgrpc\+\+-dev"):
         build(tmp_path / "cache")
     assert not (tmp_path / "cache").exists()
+
+
+def test_a_cached_module_others_could_have_written_is_refused(built: Built) -> None:
+    folder = built.module_dir
+    folder.chmod(0o777)
+    try:
+        with pytest.raises(BuildUnavailable, match="writable by others"):
+            build(folder.parent)
+    finally:
+        folder.chmod(0o755)
+    assert build(folder.parent) == folder  # trusted again: the same cached build, not a new one

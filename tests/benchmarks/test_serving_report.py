@@ -10,6 +10,7 @@ from benchmarks.serving_report import (
     KSERVE,
     LIMIT,
     NATIVE,
+    NATIVE_REC,
     OFF,
     OURS,
     REFERENCE,
@@ -96,6 +97,7 @@ def test_the_native_reference_is_reported_beside_the_others_and_judged_by_no_tar
     repeats = [repeat(1000, 500, 600), repeat(1200, 500, 600)]
     for found, native in zip(repeats, (1500, 1700), strict=True):
         found.rows[NATIVE] = row(900, native, 27.5)
+        found.rows[NATIVE_REC] = Row(None, Point(native * 0.9, 11.0), Point(27.0, 900.0))
 
     out = summary(repeats)
     table = "\n".join(main_table(repeats, TITLES))
@@ -104,6 +106,9 @@ def test_the_native_reference_is_reported_beside_the_others_and_judged_by_no_tar
     assert "| native / Triton (same repeat, median) | 6.92x (p50 1.00x) | 3.20x |" in table
     assert "| native / grpcio reference (same repeat, median) | 1.29x (p50 1.00x) | 1.60x |" in table
     assert "| ours / native reference (same repeat, median) |" in table
+    assert "| native recorded / Triton (same repeat, median) | – | 2.88x |" in table
+    assert out["native_reference_recorded"]["small_c32"]["infer_per_s"] == 1440
+    assert out["native_reference_recorded"]["small_c1"] is None
     assert {t.name for t in targets(repeats)} == {t.name for t in targets([repeat(1000, 500, 600)])}
     assert "native_reference" not in summary([repeat(1000, 500, 600)])
 
