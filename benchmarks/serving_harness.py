@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import os
 import re
@@ -252,13 +253,8 @@ def running_reference(models: Mapping[str, Path], work: Path, prefix: list[str],
     argv = [*prefix, sys.executable, "-m", "benchmarks.reference_server", "--port", str(port)]
     argv += ["--max-batch", str(max_batch), *(f"{name}={path}" for name, path in models.items())]
 
-    def ready() -> bool:
-        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
-            return True
-        return False
-
     log = work / "reference.log"
-    with started(argv, {**os.environ, "PEERBENCH_ORT_THREADS": "1"}, log, ready) as pid:
+    with started(argv, {**os.environ, "PEERBENCH_ORT_THREADS": "1"}, log, functools.partial(accepts, port)) as pid:
         yield Server(pid, port, log)
 
 
@@ -281,14 +277,17 @@ def running_native(
     argv += ["--records", str(records)] if records else []
     argv += [f"{name}={path}" for name, path in models.items()]
 
-    def ready() -> bool:
-        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
-            return True
-        return False
-
     log = work / ("native-recorded.log" if records else "native.log")
-    with started(argv, {**os.environ, "PEERBENCH_ORT_THREADS": "1"}, log, ready) as pid:
+    with started(argv, {**os.environ, "PEERBENCH_ORT_THREADS": "1"}, log, functools.partial(accepts, port)) as pid:
         yield Server(pid, port, log)
+
+
+def accepts(port: int) -> bool:
+    """Whether a loopback connection to ``port`` is accepted: ready, for the references, which load their
+    models before they listen."""
+    with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
+        return True
+    return False
 
 
 @contextlib.contextmanager

@@ -21,6 +21,7 @@ request path. Binds 127.0.0.1 only; SIGTERM or SIGINT stops it. The module is bu
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import logging
 import os
@@ -61,24 +62,19 @@ class RecordWriter:
 
     def _write_forever(self) -> None:
         while True:
-            item = self._queue.get()
-            lines, done = [], False
-            while item is not None:
-                when, model, records = item
-                lines += [
-                    orjson.dumps({"ts": when, "request_id": rid, "model": model, "input_digest": digest, "rows": rows})
-                    for rid, digest, rows in records
-                ]
-                try:
-                    item = self._queue.get_nowait()
-                except queue.Empty:
-                    break
-            else:
-                done = True
+            items = [self._queue.get()]  # wait for the first, then take whatever else is queued
+            with contextlib.suppress(queue.Empty):
+                while True:
+                    items.append(self._queue.get_nowait())
+            lines = [
+                orjson.dumps({"ts": when, "request_id": rid, "model": model, "input_digest": digest, "rows": rows})
+                for when, model, records in (item for item in items if item is not None)
+                for rid, digest, rows in records
+            ]
             if lines:
                 self._file.write(b"\n".join(lines) + b"\n")
                 self._file.flush()
-            if done:
+            if None in items:  # close(): everything added before it is written
                 return
             time.sleep(self.TICK_S)
 
