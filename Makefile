@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: help install system-deps client-venvs lint format generate test demo bench up down status clean
+.PHONY: help install native system-deps client-venvs lint format generate test demo bench up down status clean
 
 help:
 	@echo "make demo   - bring up the embedded stack and run a dataset through the pipeline"
@@ -25,7 +25,12 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet -e '.[dev]'
 	touch $(STAMP)
 
-install: $(STAMP)
+install: $(STAMP) native
+
+# The native gRPC front end (serving/native, C++ grpc++): rebuilt only when its sources change; where the
+# build tools are missing it says what to install and the server runs on grpcio alone.
+native: $(STAMP)
+	@$(BIN)/python -m serving.native.build --optional
 
 system-deps:
 	@bash scripts/system-deps.sh
@@ -49,12 +54,13 @@ generate: $(STAMP)
 	PYTHON=$(BIN)/python bash scripts/generate_proto.sh
 
 test: lint system-deps client-venvs
+	$(BIN)/python -m serving.native.build
 	$(BIN)/pytest $(PYTEST_ARGS)
 
 demo: $(STAMP)
 	$(BIN)/sluicegate demo
 
-bench: $(STAMP)
+bench: $(STAMP) native
 	$(BIN)/python -m benchmarks
 
 up: $(STAMP)

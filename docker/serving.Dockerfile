@@ -21,6 +21,14 @@ COPY docker/serving-requirements.txt ./requirements.txt
 RUN python3 -m pip install --no-cache-dir -r requirements.txt
 
 COPY serving/ ./serving/
+# The native gRPC front end (serving/native): grpc++ from the distribution, built here against this image's
+# Python and numpy. The build tools stay: removing them with apt would take grpc++'s runtime libraries too.
+RUN apt-get update \
+    && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
+       g++ pkg-config libgrpc++-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc libxxhash-dev \
+    && rm -rf /var/lib/apt/lists/* \
+    && python3 -m serving.native.build \
+    && python3 -c "from serving.native import load; m, why = load(); assert m, why"
 
 # A fixed unprivileged user; the model cache is the only place it writes.
 RUN groupadd --system --gid 10001 sluicegate \

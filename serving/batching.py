@@ -112,11 +112,18 @@ class _Slot:
 
 
 class _Request:
-    __slots__ = ("enqueued_ns", "future", "inputs", "rows", "signature", "trace")
+    __slots__ = ("count", "enqueued_ns", "future", "inputs", "rows", "signature", "trace")
 
     def __init__(
-        self, inputs: Batch, rows: int, signature: Signature, trace: Any = None, slot: _Slot | None = None
+        self,
+        inputs: Batch,
+        rows: int,
+        signature: Signature,
+        trace: Any = None,
+        slot: _Slot | None = None,
+        count: int = 1,
     ) -> None:
+        self.count = count  # callers this request stands for (the native front end's lanes send several)
         self.trace = trace
         self.inputs = inputs
         self.rows = rows
@@ -211,7 +218,7 @@ class DynamicBatcher:
         self._enqueue(request)
         return request.future  # type: ignore[return-value]  # a Future: no slot was given
 
-    def call(self, inputs: Batch, rows: int, signature: Signature, trace: Any = None) -> Batch:
+    def call(self, inputs: Batch, rows: int, signature: Signature, trace: Any = None, count: int = 1) -> Batch:
         """Queue one already-checked request and block until its rows are back (the server's hot path).
 
         Args:
@@ -220,6 +227,8 @@ class DynamicBatcher:
             rows: The batch dimension, 1..max_batch_size.
             signature: ``signature(inputs)``; precomputed by callers whose inputs have fixed shapes.
             trace: As for ``submit``.
+            count: The callers these rows belong to, for the statistics (serving/native: a lane's
+                requests run as one); 1 otherwise.
 
         Raises:
             The errors of ``submit``, and the runtime's error for this request's batch.
@@ -227,7 +236,7 @@ class DynamicBatcher:
         if rows < 1 or rows > self._max_rows:
             raise InvalidInput(f"model {self.name}: batch size {rows}; expected 1 to {self._max_rows} (max_batch_size)")
         slot = _Slot()
-        request = _Request(inputs, rows, signature, trace, slot)
+        request = _Request(inputs, rows, signature, trace, slot, count)
         if self._lone and not self._delay_ns and self.worker_idle and self._runner.acquire(blocking=False):
             # The worker sleeps on an empty queue and the last batch was a lone request: run this one
             # here. Handing a lone request to the worker and back costs two thread wake-ups and two GIL
@@ -469,12 +478,13 @@ class DynamicBatcher:
             error = exc
         exec_ns = time.monotonic_ns() - start
         self._lone = len(batch) == 1
+        callers = sum(request.count for request in batch)
         with self._lock:
-            self._requests += len(batch)
+            self._requests += callers
             self._rows += rows
             self._batches += 1
             if error is not None:
-                self._failures += len(batch)
+                self._failures += callers
             self._queue_ns_total += sum(queue_ns)
             self._exec_ns_total += exec_ns
             self._last_inference_ms = time.time_ns() // 1_000_000

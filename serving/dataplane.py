@@ -438,17 +438,23 @@ class DataPlane:
                     raise
         return self.response(loaded, request, outputs)
 
+    def versions(self) -> dict[str, dict[str, LoadedVersion]]:
+        """Every loaded version by model, a copy (the native front end's lanes are made from it)."""
+        with self._lock:
+            return {name: dict(versions) for name, versions in self._models.items()}
+
     def route(self, name: str, version: str = "") -> LoadedVersion:
         """The version that serves a request: the one named, else one chosen by the traffic weights."""
         return self._get(name, version or None)
 
     def run(
-        self, loaded: LoadedVersion, batch: dict[str, np.ndarray], rows: int, sig: Signature
+        self, loaded: LoadedVersion, batch: dict[str, np.ndarray], rows: int, sig: Signature, count: int = 1
     ) -> dict[str, np.ndarray]:
-        """Run checked inputs through the version's batcher; this request's rows of every output."""
+        """Run checked inputs through the version's batcher; this request's rows of every output. ``count``:
+        the callers the rows belong to (the native front end runs a lane's requests as one)."""
         tracing = self.telemetry.tracing if self.telemetry is not None else None
         if tracing is None:
-            return loaded.batcher.call(batch, rows, sig)
+            return loaded.batcher.call(batch, rows, sig, count=count)
         with tracing.queued() as queued:
             return loaded.batcher.call(batch, rows, sig, trace=queued)
 

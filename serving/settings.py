@@ -41,6 +41,13 @@ class ServingSettings(BaseSettings):
         description="With workers: the private folder (made 0700) for their sockets, shared state and metrics "
         "files; emptied of those at start. Unset: a new temporary folder, removed at exit.",
     )
+    native_front: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description="The gRPC port's front end. auto: the native one (serving/native, C++ grpc++: the common "
+        "ModelInfer is checked, batched and answered without Python per request; everything else is passed to "
+        "the grpcio server on a private socket) where it is built (make install), else grpcio alone. on: "
+        "refuse to start without it. off: grpcio alone.",
+    )
     grpc_workers: int = Field(
         64, ge=1, description="gRPC handler threads; above the expected concurrency so batches can form."
     )

@@ -6,8 +6,10 @@ starts both."""
 
 from __future__ import annotations
 
+import logging
 from concurrent import futures
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any
 
 import grpc
@@ -20,6 +22,8 @@ from serving.grpc_api.servicer import ADMIN_METHODS, INFERENCE_METHODS, AdminSer
 from serving.observability.metrics import ServerMetrics
 from serving.proto import admin_pb2_grpc, grpc_service_pb2_grpc
 from serving.settings import ServingSettings
+
+log = logging.getLogger(__name__)
 
 # The health services a load balancer or Triton-style probe may ask: the whole server and the inference
 # service by name; both always carry the same status (serving/server.py's readiness_publisher).
@@ -52,9 +56,26 @@ class GrpcPort:
     secure: bool = False
 
 
-def server_credentials(settings: ServingSettings) -> grpc.ServerCredentials:
-    """The server certificate and key, and with ``tls_client_ca_file`` the CA client certificates must be
-    signed by (mutual TLS: a client without one is refused in the handshake).
+def _native_front(settings: ServingSettings) -> ModuleType | None:
+    """The native front end's module where ``native_front`` asks for it and it is built, else None.
+
+    Raises:
+        SystemExit: ``native_front=on`` and it cannot be loaded.
+    """
+    if settings.native_front == "off":
+        return None
+    from serving.native import load
+
+    native, why = load()
+    if native is None:
+        if settings.native_front == "on":
+            raise SystemExit(f"native_front=on, but the native front end cannot be loaded: {why}")
+        log.info("gRPC on grpcio alone: the native front end is %s", why)
+    return native
+
+
+def tls_files(settings: ServingSettings) -> tuple[bytes, bytes, bytes | None]:
+    """(key, certificate, client CA or None) as read from the settings' files.
 
     Raises:
         SystemExit: A file cannot be read.
@@ -65,6 +86,17 @@ def server_credentials(settings: ServingSettings) -> grpc.ServerCredentials:
         client_ca = settings.tls_client_ca_file.read_bytes() if settings.tls_client_ca_file else None
     except OSError as exc:
         raise SystemExit(f"cannot read the TLS files for gRPC: {exc}") from exc
+    return key, cert, client_ca
+
+
+def server_credentials(settings: ServingSettings) -> grpc.ServerCredentials:
+    """The server certificate and key, and with ``tls_client_ca_file`` the CA client certificates must be
+    signed by (mutual TLS: a client without one is refused in the handshake).
+
+    Raises:
+        SystemExit: A file cannot be read.
+    """
+    key, cert, client_ca = tls_files(settings)
     return grpc.ssl_server_credentials(
         [(key, cert)], root_certificates=client_ca, require_client_auth=client_ca is not None
     )
@@ -84,10 +116,12 @@ def bind_grpc(
     Raises:
         SystemExit: The gRPC address cannot be bound (in use?).
     """
+    native = _native_front(settings)
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=settings.grpc_workers, thread_name_prefix="grpc"),
         options=grpc_options(settings),
     )
+    behind = native is not None
     inference = InferenceServicer(
         plane,
         metrics,
@@ -96,16 +130,29 @@ def bind_grpc(
         max_elements=settings.max_elements,
         request_log=request_log,
         auth=auth,
+        behind_front=behind,
     )
     guard_servicer(inference, "inference.GRPCInferenceService", INFERENCE_METHODS)
     grpc_service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(inference, server)  # type: ignore[no-untyped-call]
-    admin = guard_servicer(AdminServicer(plane, auth), "sluicegate.admin.TrafficAdmin", ADMIN_METHODS)
+    admin_servicer = AdminServicer(plane, auth, behind_front=behind)
+    admin = guard_servicer(admin_servicer, "sluicegate.admin.TrafficAdmin", ADMIN_METHODS)
     admin_pb2_grpc.add_TrafficAdminServicer_to_server(admin, server)  # type: ignore[no-untyped-call]
     health_servicer = health.HealthServicer()
     for service in HEALTH_SERVICES:
         health_servicer.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     address = f"{settings.host}:{settings.grpc_port}"
+    if native is not None:
+        from serving.grpc_api.native_port import NativePort
+
+        front = NativePort(
+            native, server, plane, metrics, max_elements=settings.max_elements, request_log=inference.request_log
+        )
+        port = front.bind(address, grpc_options(settings), tls_files(settings) if settings.tls else None)
+        if port == 0:
+            raise SystemExit(f"cannot bind gRPC to {address} (in use?)")
+        plane.on_readiness(front.sync)  # lanes follow every load, unload and runtime change
+        return GrpcPort(front, health_servicer, port, secure=settings.tls)
     if settings.tls:
         port = server.add_secure_port(address, server_credentials(settings))
     else:

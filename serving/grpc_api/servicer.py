@@ -41,6 +41,7 @@ INFERENCE_METHODS = [
     "ModelInfer",
 ]
 ADMIN_METHODS = ["SetTrafficWeights", "GetTrafficWeights"]
+PEER_KEY = "x-sluicegate-peer"  # serving/native/front.cc kPeerKey
 
 
 class InferenceServicer(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
@@ -54,8 +55,10 @@ class InferenceServicer(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
         max_elements: int,
         request_log: Any = None,
         auth: Authorizer | None = None,
+        behind_front: bool = False,
     ):
         self.plane, self.metrics = dataplane, metrics
+        self.peer = front_peer if behind_front else own_peer
         telemetry = dataplane.telemetry
         self.tracing: Any = telemetry.tracing if telemetry is not None else None
         self.pipeline: Any = telemetry.pipeline if telemetry is not None else None
@@ -107,12 +110,12 @@ class InferenceServicer(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
         )
 
     def RepositoryIndex(self, request: Any, context: grpc.ServicerContext) -> Any:
-        self.auth.read(authorization(context), peer=context.peer(), action="RepositoryIndex")
+        self.auth.read(authorization(context), peer=self.peer(context), action="RepositoryIndex")
         entries = [e for e in self.plane.index() if not request.ready or e.state == "READY"]
         return converters_meta.repository_index_to_proto(entries)
 
     def RepositoryModelLoad(self, request: Any, context: grpc.ServicerContext) -> Any:
-        peer = context.peer()
+        peer = self.peer(context)
         self.auth.change(authorization(context), peer=peer, action="RepositoryModelLoad")
         self.plane.load_model(request.model_name)
         # Who changed what is served, for the audit trail: refusals are logged by the Authorizer.
@@ -120,7 +123,7 @@ class InferenceServicer(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
         return pb.RepositoryModelLoadResponse()
 
     def RepositoryModelUnload(self, request: Any, context: grpc.ServicerContext) -> Any:
-        peer = context.peer()
+        peer = self.peer(context)
         self.auth.change(authorization(context), peer=peer, action="RepositoryModelUnload")
         self.plane.unload_model(request.model_name)
         log.info("RepositoryModelUnload of %r by %s", clip(request.model_name, self.echo), peer)
@@ -281,18 +284,33 @@ def _typed_digest(request: Any) -> str | None:
 class AdminServicer(admin_pb2_grpc.TrafficAdminServicer):
     """Traffic weights over gRPC; the caller sends ``authorization: Bearer <token>`` metadata."""
 
-    def __init__(self, dataplane: DataPlane, auth: Authorizer) -> None:
+    def __init__(self, dataplane: DataPlane, auth: Authorizer, *, behind_front: bool = False) -> None:
         self.plane, self.auth = dataplane, auth
+        self.peer = front_peer if behind_front else own_peer
 
     def SetTrafficWeights(self, request: Any, context: grpc.ServicerContext) -> Any:
-        self.auth.change(authorization(context), peer=context.peer(), action="SetTrafficWeights")
+        self.auth.change(authorization(context), peer=self.peer(context), action="SetTrafficWeights")
         weights = self.plane.set_weights(request.model_name, dict(request.weights))
         return admin_pb2.TrafficWeightsResponse(model_name=request.model_name, weights=weights)
 
     def GetTrafficWeights(self, request: Any, context: grpc.ServicerContext) -> Any:
-        self.auth.read(authorization(context), peer=context.peer(), action="GetTrafficWeights")
+        self.auth.read(authorization(context), peer=self.peer(context), action="GetTrafficWeights")
         weights = self.plane.weights(request.model_name)
         return admin_pb2.TrafficWeightsResponse(model_name=request.model_name, weights=weights)
+
+
+def own_peer(context: grpc.ServicerContext) -> str:
+    """The caller's address, as grpcio saw the connection."""
+    return str(context.peer())
+
+
+def front_peer(context: grpc.ServicerContext) -> str:
+    """The caller's address behind the native front end (serving/native), which sets ``PEER_KEY`` on every
+    call it passes on (dropping a caller's own) over a socket only this user can reach."""
+    for key, value in context.invocation_metadata():
+        if key == PEER_KEY:
+            return str(value)
+    return str(context.peer())
 
 
 def authorization(context: grpc.ServicerContext) -> str | None:

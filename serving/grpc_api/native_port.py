@@ -1,0 +1,345 @@
+"""The gRPC port on the native front end (serving/native): grpc++ owns the public port; the grpcio server
+of serving/grpc_api/server.py listens on a private Unix socket behind it.
+
+The common ModelInfer (what ``fast_infer.InputPlan`` accepts, for a version whose inputs have fixed
+shapes, with tracing off) waits on a *lane*, one per (model, requested version), in C++. One thread per
+lane takes a batch, routes each request by the traffic weights (as the grpcio path does, per request),
+runs each version's rows once through its batcher (so fallbacks, monitors, statistics and the batch
+metrics are those of every other request), and hands the answers back to C++; then, still per batch,
+it counts each request in the request metrics and queues its record (digest computed in C++) for the
+telemetry thread. Everything else is proxied to the grpcio server, which answers it as it always has.
+
+Lanes follow the data plane: rebuilt on every load, unload and runtime change (the readiness hook).
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import shutil
+import tempfile
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+
+from serving.batching import signature
+from serving.dataplane import DataPlane, LoadedVersion
+from serving.errors import DETAILS_CHARS, ModelNotReady, ServingError, clip
+from serving.observability.metrics import ServerMetrics
+from serving.types import DATATYPES
+
+log = logging.getLogger(__name__)
+
+INTERNAL = 13  # grpc.StatusCode.INTERNAL's number; this module needs no grpc import
+INTERNAL_DETAILS = "internal error in /inference.GRPCInferenceService/ModelInfer; see the server log"
+
+
+@dataclass(frozen=True)
+class LaneSpec:
+    """What a lane accepts: the inputs (name, datatype, non-batch shape), the outputs (name, datatype),
+    in the model's order, and the batch and queue caps."""
+
+    inputs: tuple[tuple[str, str, tuple[int, ...]], ...]
+    outputs: tuple[tuple[str, str], ...]
+    max_batch: int
+    max_queue: int
+
+
+def lane_spec(loaded: LoadedVersion) -> LaneSpec | None:
+    """The lane of a version whose requests can all take it, or None (free dimensions, BYTES)."""
+    inputs = []
+    for name, (datatype, shape) in loaded.inputs.items():
+        if datatype == "BYTES" or datatype not in DATATYPES or len(shape) < 1 or any(d < 0 for d in shape[1:]):
+            return None
+        inputs.append((name, datatype, tuple(shape[1:])))
+    if not inputs:
+        return None
+    max_queue = int(loaded.config.to_dict()["batching"]["max_queue_size"])
+    return LaneSpec(tuple(inputs), tuple(loaded.outputs.items()), loaded.max_batch_size, max_queue)
+
+
+def wanted_lanes(versions: dict[str, dict[str, LoadedVersion]]) -> dict[tuple[str, str], LaneSpec]:
+    """(model, version) -> spec for every loaded version, and (model, "") where every version of the model
+    has the same inputs and outputs (the weights may route a request to any of them)."""
+    lanes: dict[tuple[str, str], LaneSpec] = {}
+    for model, by_version in versions.items():
+        specs = {version: lane_spec(loaded) for version, loaded in by_version.items()}
+        for version, spec in specs.items():
+            if spec is not None:
+                lanes[(model, version)] = spec
+        shared = {(s.inputs, s.outputs) if s else None for s in specs.values()}
+        if len(shared) == 1 and None not in shared:
+            every = [s for s in specs.values() if s is not None]
+            lanes[(model, "")] = LaneSpec(
+                every[0].inputs,
+                every[0].outputs,
+                min(s.max_batch for s in every),
+                min(s.max_queue for s in every),
+            )
+    return lanes
+
+
+class _Lane:
+    __slots__ = ("id", "model", "names", "spec", "thread", "version")
+
+    def __init__(self, lane_id: int, model: str, version: str, spec: LaneSpec) -> None:
+        self.id, self.model, self.version, self.spec = lane_id, model, version, spec
+        self.names = [name for name, _, _ in spec.inputs]
+        self.thread: threading.Thread | None = None
+
+
+class NativePort:
+    """The public gRPC port served by the native front end, with ``grpc_server`` (not started) behind it.
+
+    Quacks like ``grpc.Server`` where serving/server.py uses one: ``start()`` and ``stop(grace)``.
+    """
+
+    def __init__(
+        self,
+        native: ModuleType,
+        grpc_server: Any,
+        plane: DataPlane,
+        metrics: ServerMetrics,
+        *,
+        max_elements: int,
+        request_log: Any,
+    ) -> None:
+        self._native, self._grpc, self.plane, self.metrics = native, grpc_server, plane, metrics
+        self.max_elements = max_elements
+        self.request_log = request_log
+        telemetry = plane.telemetry
+        # Spans are opened by the grpcio servicer per request: with tracing on, every call goes there.
+        self.lanes_enabled = telemetry is None or telemetry.tracing is None
+        self._folder = Path(tempfile.mkdtemp(prefix="sluicegate-grpc-"))  # 0700: only this user may connect
+        self.socket = self._folder / "grpc.sock"
+        self._front = native.create(f"unix:{self.socket}", request_log is not None)
+        self._lanes: dict[tuple[str, str], _Lane] = {}
+        self._sync_lock = threading.Lock()
+        self._closed = False
+
+    def bind(
+        self, address: str, int_args: Sequence[tuple[str, int]], tls: tuple[bytes, bytes, bytes | None] | None
+    ) -> int:
+        """Start the private grpcio server, then bind and open the public port; the port, 0 if it is taken."""
+        if self._grpc.add_insecure_port(f"unix:{self.socket}") == 0:
+            raise SystemExit(f"cannot bind the private gRPC socket {self.socket}")
+        self._grpc.start()
+        port = int(self._native.start(self._front, address, list(int_args), tls))
+        if port == 0:
+            self._grpc.stop(0)
+            shutil.rmtree(self._folder, ignore_errors=True)
+        return port
+
+    def start(self) -> None:
+        """Both servers already run (``bind``): the port answers liveness while models load."""
+
+    def counts(self) -> tuple[int, int]:
+        """(requests answered from a lane, calls passed to the grpcio server) so far."""
+        fast, proxied = self._native.counts(self._front)
+        return int(fast), int(proxied)
+
+    # -- lanes ---------------------------------------------------------------------------------------
+
+    def sync(self, _ready: bool = False) -> None:
+        """Make the lanes match the loaded versions (the data plane's readiness hook: every change)."""
+        if not self.lanes_enabled:
+            return
+        with self._sync_lock:
+            if self._closed:
+                return
+            wanted = wanted_lanes(self.plane.versions())
+            for key, lane in list(self._lanes.items()):
+                if wanted.get(key) != lane.spec:
+                    self._native.close_lane(self._front, lane.id)  # its thread drains it and ends
+                    del self._lanes[key]
+            for key, spec in wanted.items():
+                if key not in self._lanes:
+                    self._lanes[key] = self._open(key[0], key[1], spec)
+
+    def _open(self, model: str, version: str, spec: LaneSpec) -> _Lane:
+        inputs = [
+            (name, datatype, tail, DATATYPES[datatype].num, DATATYPES[datatype].itemsize)
+            for name, datatype, tail in spec.inputs
+        ]
+        outputs = [name for name, _ in spec.outputs]
+        lane_id = self._native.add_lane(
+            self._front, model, version, inputs, outputs, spec.max_batch, spec.max_queue, self.max_elements
+        )
+        lane = _Lane(int(lane_id), model, version, spec)
+        lane.thread = threading.Thread(target=self._serve, args=(lane,), name=f"lane-{model}/{version}", daemon=True)
+        lane.thread.start()
+        return lane
+
+    def _serve(self, lane: _Lane) -> None:
+        take, front = self._native.take, self._front
+        while (got := take(front, lane.id)) is not None:
+            batch, arrays, items, gone = got
+            try:
+                if gone:
+                    self._gone(lane, gone)
+                if batch is not None:
+                    self._batch(lane, batch, arrays, items)
+            except Exception:  # the batch's capsule answers INTERNAL to whoever was not answered
+                log.exception("lane %s/%s failed a batch", lane.model, lane.version)
+
+    def _gone(self, lane: _Lane, gone: list[tuple[str, str, int, float]]) -> None:
+        """Requests whose callers stopped waiting before their batch ran: counted, recorded, never run."""
+        try:
+            version = self.plane.route(lane.model, lane.version).version
+        except ServingError:
+            version = lane.version
+        items = [(request_id, None, rows, received, None) for request_id, _, rows, received in gone]
+        for k, (_, code, _, _) in enumerate(gone):
+            self._account(lane, items, [k], None, code, None, None, version)
+
+    def _batch(self, lane: _Lane, batch: Any, arrays: list[np.ndarray], items: list[tuple[Any, ...]]) -> None:
+        """Route each request, run each version's rows once, answer, then count and record each request."""
+        count = len(items)
+        try:
+            if lane.version or count == 1:
+                loaded = self.plane.route(lane.model, lane.version)
+                groups = {id(loaded): (loaded, list(range(count)))}
+            else:
+                groups = {}
+                for k in range(count):
+                    loaded = self.plane.route(lane.model)
+                    groups.setdefault(id(loaded), (loaded, []))[1].append(k)
+        except ServingError as exc:
+            self._refuse(lane, batch, list(range(count)), items, lane.version, exc)
+            return
+        offsets = np.cumsum([0] + [item[2] for item in items])
+        for loaded, indices in groups.values():
+            self._run(lane, batch, arrays, items, offsets, loaded, indices)
+
+    def _run(
+        self,
+        lane: _Lane,
+        batch: Any,
+        arrays: list[np.ndarray],
+        items: list[tuple[Any, ...]],
+        offsets: np.ndarray,
+        loaded: LoadedVersion,
+        indices: list[int],
+    ) -> None:
+        if len(indices) == len(items):
+            inputs = dict(zip(lane.names, arrays, strict=True))
+        else:
+            rows_of = np.concatenate([np.arange(offsets[k], offsets[k + 1]) for k in indices])
+            inputs = {name: array[rows_of] for name, array in zip(lane.names, arrays, strict=True)}
+        rows = int(sum(items[k][2] for k in indices))
+        sig = signature(inputs)
+        try:
+            for attempt in (0, 1):
+                try:
+                    outputs = self.plane.run(loaded, inputs, rows, sig, count=len(indices))
+                    break
+                except ModelNotReady:
+                    # Being unloaded between routing and queueing: choose again, once, unless the caller
+                    # asked for that very version (the grpcio path's rule).
+                    if attempt or lane.version:
+                        raise
+                    loaded = self.plane.route(lane.model)
+        except ServingError as exc:
+            self._refuse(lane, batch, indices, items, loaded.version, exc)
+            return
+        except Exception as exc:
+            log.exception("/inference.GRPCInferenceService/ModelInfer failed")
+            self._refuse(lane, batch, indices, items, loaded.version, exc)
+            return
+        runtime = str(loaded.runtime.level_name)
+        wire = [
+            (name, datatype, np.ascontiguousarray(outputs[name], dtype=DATATYPES[datatype].newbyteorder("<")))
+            for name, datatype in lane.spec.outputs
+        ]
+        # "abnormal": the rules runtime's answer is not the model's (the grpcio path sets it the same way).
+        late = self._native.answer(batch, indices, loaded.version, wire, runtime == "rules")
+        logits = wire[0][2] if wire else None
+        self._account(lane, items, indices, loaded, "OK", runtime, logits, late=late)
+
+    def _refuse(
+        self, lane: _Lane, batch: Any, indices: list[int], items: list[tuple[Any, ...]], version: str, exc: Exception
+    ) -> None:
+        if isinstance(exc, ServingError):
+            code, details, name = exc.code.value[0], clip(str(exc), DETAILS_CHARS), exc.code.name
+        else:
+            code, details, name = INTERNAL, INTERNAL_DETAILS, "INTERNAL"
+        self._native.refuse(batch, indices, code, details)
+        self._account(lane, items, indices, None, name, None, None, version)
+
+    def _account(
+        self,
+        lane: _Lane,
+        items: list[tuple[Any, ...]],
+        indices: list[int],
+        loaded: LoadedVersion | None,
+        code: str,
+        runtime: str | None,
+        logits: np.ndarray | None,
+        version: str = "",
+        late: dict[int, str] | None = None,
+    ) -> None:
+        """Each request's metrics and record, as serving/grpc_api/servicer.py makes them; ``late``: the
+        requests answered after their callers stopped waiting, and what those callers saw."""
+        now, wall = time.perf_counter(), time.time()
+        version = loaded.version if loaded is not None else (version or lane.version)
+        monitors = loaded.monitors if loaded is not None else None
+        observe, request_log = self.metrics.observe, self.request_log
+        row = 0
+        for k in indices:
+            request_id, digest, rows, received, traceparent = items[k]
+            elapsed = now - received
+            status = late.get(k, code) if late else code
+            observe(lane.model, version, status, elapsed)
+            request_id = request_id or secrets.token_hex(16)
+            if request_log is not None and request_log.wanted(request_id, status):
+                request_log.record(
+                    (
+                        wall,
+                        request_id,
+                        lane.model,
+                        version,
+                        digest,
+                        runtime if status == "OK" else None,
+                        rows,
+                        elapsed,
+                        status,
+                        None,
+                        (("traceparent", traceparent),) if traceparent else None,
+                        logits[row : row + rows] if logits is not None else None,
+                        monitors,
+                    )
+                )
+            row += rows
+
+    # -- shutdown ------------------------------------------------------------------------------------
+
+    def stop(self, grace: float | None) -> threading.Event:
+        """Refuse new calls now; in-flight ones (lanes and proxied) get ``grace`` seconds; the event is set
+        once both servers stopped."""
+        done = threading.Event()
+
+        def run() -> None:
+            try:
+                self._native.shutdown(self._front, float(grace or 0.0))
+                with self._sync_lock:
+                    self._closed = True
+                    lanes = list(self._lanes.values())
+                    self._lanes.clear()
+                for lane in lanes:
+                    self._native.close_lane(self._front, lane.id)
+                for lane in lanes:
+                    if lane.thread is not None:
+                        lane.thread.join(timeout=5.0)
+                self._grpc.stop(0).wait()
+            finally:
+                shutil.rmtree(self._folder, ignore_errors=True)
+                done.set()
+
+        threading.Thread(target=run, name="native-front-stop", daemon=True).start()
+        return done

@@ -1,0 +1,263 @@
+"""The native gRPC front end (serving/native) in front of the grpcio server: the common ModelInfer is
+answered from a lane (batched in C++, Python once per batch), everything else is passed to the grpcio
+server with the caller's metadata and address, and the answers are the same either way.
+
+Every other gRPC test of the server runs through this front end too (``native_front=auto``, built by
+``make test``); these check what is particular to it."""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+import numpy as np
+import onnxruntime as ort
+import pytest
+
+from serving.grpc_api.native_port import NativePort, wanted_lanes
+from serving.native import HERE, load
+from serving.native.build import FRONT_MODULE
+from serving.observability.logs import raw_digest
+from serving.proto import admin_pb2, admin_pb2_grpc, grpc_service_pb2_grpc
+from serving.proto import grpc_service_pb2 as pb
+from serving.server import RunningServer, start
+from serving.settings import ServingSettings
+from tests.serving.conftest import MODEL, batch
+
+ADMIN = [("authorization", "Bearer s3cret")]
+
+
+def reference(repo: Path, version: str, x: np.ndarray) -> np.ndarray:
+    session = ort.InferenceSession(str(repo / MODEL / version / "model.onnx"), providers=["CPUExecutionProvider"])
+    return np.asarray(session.run(None, {"input": x})[0])
+
+
+def raw_request(x: np.ndarray, version: str = "", request_id: str = "") -> pb.ModelInferRequest:
+    msg = pb.ModelInferRequest(model_name=MODEL, model_version=version, id=request_id)
+    msg.inputs.add(name="input", datatype="FP32", shape=list(x.shape))
+    msg.raw_input_contents.append(x.tobytes())
+    return msg
+
+
+def logits(answer: pb.ModelInferResponse) -> np.ndarray:
+    out = answer.outputs[0]
+    return np.frombuffer(answer.raw_output_contents[0], dtype=np.float32).reshape(tuple(out.shape))
+
+
+@pytest.fixture(scope="module")
+def front(server: RunningServer) -> NativePort:
+    assert isinstance(server.grpc_server, NativePort), "make test builds serving/native; the server must use it"
+    return server.grpc_server
+
+
+@pytest.fixture(scope="module")
+def stub(server: RunningServer) -> grpc_service_pb2_grpc.GRPCInferenceServiceStub:
+    channel = grpc.insecure_channel(f"127.0.0.1:{server.grpc_port}")
+    return grpc_service_pb2_grpc.GRPCInferenceServiceStub(channel)
+
+
+def test_the_module_is_built_and_loads() -> None:
+    module, why = load()
+    assert module is not None, why
+
+
+def test_an_unbuilt_or_stale_module_is_not_loaded_and_says_why(tmp_path: Path) -> None:
+    module, why = load(tmp_path)
+    assert module is None and "python -m serving.native.build" in why
+    built = next(HERE.glob(f"{FRONT_MODULE}.*.so"))
+    shutil.copy(built, tmp_path / built.name)
+    (tmp_path / f"{FRONT_MODULE}.key").write_text("0123456789abcdef\n")
+    module, why = load(tmp_path)
+    assert module is None and "rebuild" in why
+
+
+def test_without_the_module_native_front_on_refuses_to_start(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import serving.native
+
+    monkeypatch.setattr(serving.native, "HERE", tmp_path)  # an empty folder: nothing built there
+    monkeypatch.setattr(serving.native.load, "__defaults__", (tmp_path,))
+    settings = ServingSettings(repository=str(tmp_path), grpc_port=0, http_port=0, native_front="on")
+    with pytest.raises(SystemExit, match=r"native_front=on.*python -m serving\.native\.build"):
+        start(settings)
+
+
+def test_lanes_cover_fixed_shape_versions_and_models_whose_versions_agree(server: RunningServer) -> None:
+    lanes = wanted_lanes(server.dataplane.versions())
+    assert (MODEL, "1") in lanes and (MODEL, "2") in lanes and (MODEL, "") in lanes
+    spec = lanes[(MODEL, "")]
+    assert spec.inputs == (("input", "FP32", (3, 32, 32)),) and spec.max_batch == 8
+
+
+def test_a_common_request_takes_a_lane_and_answers_like_onnx_runtime(
+    front: NativePort, stub: grpc_service_pb2_grpc.GRPCInferenceServiceStub, repo: Path
+) -> None:
+    x = batch(3, seed=21)
+    fast_before, proxied_before = front.counts()
+    answer = stub.ModelInfer(raw_request(x, version="1", request_id="native-1"))
+    fast, proxied = front.counts()
+    assert (fast - fast_before, proxied - proxied_before) == (1, 0)
+    assert (answer.model_name, answer.model_version, answer.id) == (MODEL, "1", "native-1")
+    assert [(o.name, o.datatype, list(o.shape)) for o in answer.outputs] == [("logits", "FP32", [3, 4])]
+    np.testing.assert_allclose(logits(answer), reference(repo, "1", x), rtol=1e-5, atol=1e-5)
+
+
+def test_any_other_form_is_passed_to_grpcio_and_answers_the_same(
+    front: NativePort, stub: grpc_service_pb2_grpc.GRPCInferenceServiceStub
+) -> None:
+    x = batch(2, seed=22)
+    raw = stub.ModelInfer(raw_request(x, version="2"))
+    typed = pb.ModelInferRequest(model_name=MODEL, model_version="2")
+    tensor = typed.inputs.add(name="input", datatype="FP32", shape=list(x.shape))
+    tensor.contents.fp32_contents.extend(x.ravel().tolist())
+    fast_before, proxied_before = front.counts()
+    answer = stub.ModelInfer(typed)
+    fast, proxied = front.counts()
+    assert (fast - fast_before, proxied - proxied_before) == (0, 1)
+    got = np.asarray(answer.outputs[0].contents.fp32_contents, dtype=np.float32).reshape(tuple(answer.outputs[0].shape))
+    np.testing.assert_allclose(got, logits(raw), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("mutate", "code", "words"),
+    [
+        (lambda r: setattr(r, "model_name", "absent"), grpc.StatusCode.NOT_FOUND, "absent"),
+        (lambda r: r.inputs[0].shape.__setitem__(2, 31), grpc.StatusCode.INVALID_ARGUMENT, "input"),
+        (lambda r: r.inputs[0].shape.__setitem__(0, 9), grpc.StatusCode.INVALID_ARGUMENT, "max_batch_size"),
+        (lambda r: r.outputs.add(name="nope"), grpc.StatusCode.INVALID_ARGUMENT, "nope"),
+    ],
+)
+def test_what_a_lane_does_not_take_gets_the_grpcio_servers_refusal(
+    front: NativePort, stub: grpc_service_pb2_grpc.GRPCInferenceServiceStub, mutate, code, words
+) -> None:
+    msg = raw_request(batch(9, seed=23)[:1], version="1")
+    if words == "max_batch_size":
+        msg = raw_request(batch(9, seed=23), version="1")
+    mutate(msg)
+    fast_before, _ = front.counts()
+    with pytest.raises(grpc.RpcError) as refused:
+        stub.ModelInfer(msg)
+    assert refused.value.code() == code and words in (refused.value.details() or "")
+    assert front.counts()[0] == fast_before
+
+
+def test_32_concurrent_callers_are_batched_and_counted_as_32_requests(
+    server: RunningServer, front: NativePort, stub: grpc_service_pb2_grpc.GRPCInferenceServiceStub, repo: Path
+) -> None:
+    inputs = [batch(1 + k % 3, seed=100 + k) for k in range(96)]
+    before = server.dataplane.stats(MODEL, "1")[0][2]
+    fast_before, _ = front.counts()
+    channels = [grpc.insecure_channel(f"127.0.0.1:{server.grpc_port}") for _ in range(8)]
+    stubs = [grpc_service_pb2_grpc.GRPCInferenceServiceStub(c) for c in channels]
+
+    def call(k: int) -> pb.ModelInferResponse:
+        return stubs[k % 8].ModelInfer(raw_request(inputs[k], version="1", request_id=f"c32-{k}"))
+
+    with ThreadPoolExecutor(32) as pool:
+        answers = list(pool.map(call, range(len(inputs))))
+    for channel in channels:
+        channel.close()
+    session = ort.InferenceSession(str(repo / MODEL / "1" / "model.onnx"), providers=["CPUExecutionProvider"])
+    for k, answer in enumerate(answers):
+        assert answer.id == f"c32-{k}"
+        np.testing.assert_allclose(logits(answer), session.run(None, {"input": inputs[k]})[0], rtol=1e-5, atol=1e-5)
+    after = server.dataplane.stats(MODEL, "1")[0][2]
+    assert front.counts()[0] - fast_before == len(inputs)
+    assert after.requests - before.requests == len(inputs)  # Triton's success count: callers, not lane batches
+    assert after.rows - before.rows == sum(len(x) for x in inputs)
+    assert after.batches - before.batches < len(inputs)  # some were batched together
+
+
+def test_weights_route_each_lane_request(
+    server: RunningServer, stub: grpc_service_pb2_grpc.GRPCInferenceServiceStub
+) -> None:
+    x = batch(1, seed=31)
+    admin = admin_pb2_grpc.TrafficAdminStub(grpc.insecure_channel(f"127.0.0.1:{server.grpc_port}"))
+    try:
+        cases = (({"1": 100, "2": 0}, {"1"}), ({"1": 0, "2": 100}, {"2"}), ({"1": 50, "2": 50}, {"1", "2"}))
+        for weights, served in cases:
+            change = admin_pb2.SetTrafficWeightsRequest(model_name=MODEL, weights=weights)
+            admin.SetTrafficWeights(change, metadata=ADMIN)
+            assert {stub.ModelInfer(raw_request(x)).model_version for _ in range(60)} == served
+    finally:
+        server.dataplane.set_weights(MODEL, {"1": 0, "2": 100})  # the conftest default: newest serves
+
+
+def test_a_passed_call_carries_the_callers_metadata_and_address_not_a_forged_one(
+    server: RunningServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    admin = admin_pb2_grpc.TrafficAdminStub(grpc.insecure_channel(f"127.0.0.1:{server.grpc_port}"))
+    with pytest.raises(grpc.RpcError) as refused:
+        admin.SetTrafficWeights(admin_pb2.SetTrafficWeightsRequest(model_name=MODEL, weights={"2": 100}))
+    assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    forged = [*ADMIN, ("x-sluicegate-peer", "ipv4:6.6.6.6:1")]
+    with caplog.at_level(logging.INFO, logger="serving.grpc_api.servicer"):
+        stub = grpc_service_pb2_grpc.GRPCInferenceServiceStub(grpc.insecure_channel(f"127.0.0.1:{server.grpc_port}"))
+        stub.RepositoryModelLoad(pb.RepositoryModelLoadRequest(model_name=MODEL), metadata=forged)
+    lines = [r.getMessage() for r in caplog.records if "RepositoryModelLoad" in r.getMessage()]
+    assert lines and all("by ipv4:127.0.0.1:" in line for line in lines), lines
+    assert not any("6.6.6.6" in line for line in lines)
+
+
+def test_a_passed_call_keeps_its_deadline(server: RunningServer) -> None:
+    stub = grpc_service_pb2_grpc.GRPCInferenceServiceStub(grpc.insecure_channel(f"127.0.0.1:{server.grpc_port}"))
+    x = batch(8, seed=41)
+    typed = pb.ModelInferRequest(model_name="slow")
+    tensor = typed.inputs.add(name="input", datatype="FP32", shape=list(x.shape))
+    tensor.contents.fp32_contents.extend(x.ravel().tolist())
+    seen: list[grpc.StatusCode] = []
+
+    def call() -> None:
+        try:
+            stub.ModelInfer(typed, timeout=0.002)
+        except grpc.RpcError as exc:
+            seen.append(exc.code())
+
+    threads = [threading.Thread(target=call) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert seen == [grpc.StatusCode.DEADLINE_EXCEEDED] * 4
+
+
+def test_health_watch_streams_through(server: RunningServer) -> None:
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    channel = grpc.insecure_channel(f"127.0.0.1:{server.grpc_port}")
+    stream = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(service=""), timeout=5)
+    first = next(stream)
+    assert first.status == health_pb2.HealthCheckResponse.SERVING
+    stream.cancel()
+    channel.close()
+
+
+def test_records_of_lane_requests_carry_the_inputs_digest(tmp_path: Path, repo: Path) -> None:
+    log_file = tmp_path / "requests.jsonl"
+    settings = ServingSettings(
+        repository=str(repo), grpc_port=0, http_port=0, cache_dir=tmp_path / "cache", probe_interval_s=0,
+        request_log_file=log_file,
+    )  # fmt: skip
+    running = start(settings)
+    try:
+        assert running.wait_ready(120)
+        assert isinstance(running.grpc_server, NativePort)
+        stub = grpc_service_pb2_grpc.GRPCInferenceServiceStub(grpc.insecure_channel(f"127.0.0.1:{running.grpc_port}"))
+        inputs = {f"rec-{k}": batch(1, seed=300 + k) for k in range(24)}
+        with ThreadPoolExecutor(12) as pool:
+            for request_id, x in inputs.items():
+                pool.submit(stub.ModelInfer, raw_request(x, version="1", request_id=request_id))
+        assert running.grpc_server.counts()[0] >= len(inputs)
+        assert running.flush_telemetry(30)
+    finally:
+        running.stop(grace=5, delay=0)
+    records = {r["request_id"]: r for r in map(json.loads, log_file.read_text().splitlines())}
+    for request_id, x in inputs.items():
+        record = records[request_id]
+        assert record["input_digest"] == raw_digest([x.tobytes()])
+        assert (record["model_version"], record["status"], record["batch_size"]) == ("1", "OK", 1)
+        assert record["runtime"] == "onnxruntime" and record["output_confidence"] is not None
