@@ -23,6 +23,9 @@ RUN python3 -m pip install --no-cache-dir -r requirements.txt
 COPY serving/ ./serving/
 # The native gRPC front end (serving/native): grpc++ from the distribution, built here against this image's
 # Python and numpy. The build tools stay: removing them with apt would take grpc++'s runtime libraries too.
+# Not pinned (DL3008): the base image's tag pins the distribution release; exact package revisions would
+# break the build at its next security update.
+# hadolint ignore=DL3008
 RUN apt-get update \
     && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
        g++ pkg-config libgrpc++-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc libxxhash-dev \

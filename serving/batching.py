@@ -218,7 +218,9 @@ class DynamicBatcher:
         self._enqueue(request)
         return request.future  # type: ignore[return-value]  # a Future: no slot was given
 
-    def call(self, inputs: Batch, rows: int, signature: Signature, trace: Any = None, count: int = 1) -> Batch:
+    def call(
+        self, inputs: Batch, rows: int, signature: Signature, trace: Any = None, count: int = 1, batched: bool = False
+    ) -> Batch:
         """Queue one already-checked request and block until its rows are back (the server's hot path).
 
         Args:
@@ -229,6 +231,8 @@ class DynamicBatcher:
             trace: As for ``submit``.
             count: The callers these rows belong to, for the statistics (serving/native: a lane's
                 requests run as one); 1 otherwise.
+            batched: The rows are a batch already (a native lane's): run them on this thread whenever the
+                worker is idle, not only after a lone request (see below).
 
         Raises:
             The errors of ``submit``, and the runtime's error for this request's batch.
@@ -237,14 +241,15 @@ class DynamicBatcher:
             raise InvalidInput(f"model {self.name}: batch size {rows}; expected 1 to {self._max_rows} (max_batch_size)")
         slot = _Slot()
         request = _Request(inputs, rows, signature, trace, slot, count)
-        if self._lone and not self._delay_ns and self.worker_idle and self._runner.acquire(blocking=False):
+        if (self._lone or batched) and not self._delay_ns and self.worker_idle and self._runner.acquire(blocking=False):
             # The worker sleeps on an empty queue and the last batch was a lone request: run this one
             # here. Handing a lone request to the worker and back costs two thread wake-ups and two GIL
             # hand-offs (c=1: +5 % throughput when run here). Not after a batch of several: under load the
             # queue is empty only for the moment between two batches, and a request run here alone (the
             # worker waiting on it) made the mean batch 2.9-3.6 rows instead of 6.6-6.8 at c=32 with a cap
             # of 8, 7 % fewer inferences a second (c=8: 11 %). Never with a queue delay: there a lone request waits up
-            # to max_queue_delay_us for company (Triton's meaning), on the worker.
+            # to max_queue_delay_us for company (Triton's meaning), on the worker. A native lane's batch formed
+            # already (the rows of every caller queued in C++): handing it over would only add the wake-ups.
             try:
                 if self._idle():
                     with self._lock:

@@ -448,13 +448,20 @@ class DataPlane:
         return self._get(name, version or None)
 
     def run(
-        self, loaded: LoadedVersion, batch: dict[str, np.ndarray], rows: int, sig: Signature, count: int = 1
+        self,
+        loaded: LoadedVersion,
+        batch: dict[str, np.ndarray],
+        rows: int,
+        sig: Signature,
+        count: int = 1,
+        batched: bool = False,
     ) -> dict[str, np.ndarray]:
         """Run checked inputs through the version's batcher; this request's rows of every output. ``count``:
-        the callers the rows belong to (the native front end runs a lane's requests as one)."""
+        the callers the rows belong to; ``batched``: they are a batch formed already (both: a native lane's,
+        see ``DynamicBatcher.call``)."""
         tracing = self.telemetry.tracing if self.telemetry is not None else None
         if tracing is None:
-            return loaded.batcher.call(batch, rows, sig, count=count)
+            return loaded.batcher.call(batch, rows, sig, count=count, batched=batched)
         with tracing.queued() as queued:
             return loaded.batcher.call(batch, rows, sig, trace=queued)
 

@@ -305,6 +305,12 @@ class EvalGateSettings(Group):
     latency_retries: int = Field(
         1, ge=0, description="Re-measure latency this many times when only the latency rule trips (noise)."
     )
+    min_latency_delta_ms: float = Field(
+        0.25,
+        ge=0,
+        description="p95 differences below this (ms) never fail the champion comparison: on a sub-millisecond "
+        "model a busy CPU's scheduling noise alone moves p95 past any ratio (0: the ratio alone).",
+    )
     first_model_min_accuracy: float = Field(
         0.8, ge=0, le=1, description="Absolute accuracy floor when there is no champion yet."
     )

@@ -58,12 +58,14 @@ def latency_checks(candidate: Evaluation, champion: Evaluation, rules: EvalGateS
         theirs = champion.latency_at(entry.batch_size)
         if theirs is None:
             continue
-        bound = theirs.p95_ms * rules.max_latency_ratio
+        # The ratio, but never tighter than the noise floor: 0.17 vs 0.31 ms is a scheduler, not a model.
+        bound = max(theirs.p95_ms * rules.max_latency_ratio, theirs.p95_ms + rules.min_latency_delta_ms)
         checks.append(
             Check(
                 f"p95 latency @ batch {entry.batch_size}",
                 round(entry.p95_ms, 4),
-                f"<= {bound:.4f} ms (champion {theirs.p95_ms:.4f} ms x {rules.max_latency_ratio:g})",
+                f"<= {bound:.4f} ms (champion {theirs.p95_ms:.4f} ms x {rules.max_latency_ratio:g}, "
+                f"at least + {rules.min_latency_delta_ms:g} ms)",
                 entry.p95_ms <= bound,
                 f"ratio {entry.p95_ms / theirs.p95_ms:.3f}" if theirs.p95_ms > 0 else "",
             )

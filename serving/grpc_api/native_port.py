@@ -22,6 +22,7 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import accumulate
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -213,7 +214,7 @@ class NativePort:
         except ServingError as exc:
             self._refuse(lane, batch, list(range(count)), items, lane.version, exc)
             return
-        offsets = np.cumsum([0] + [item[2] for item in items])
+        offsets = list(accumulate((item[2] for item in items), initial=0))  # row where each request starts
         for loaded, indices in groups.values():
             self._run(lane, batch, arrays, items, offsets, loaded, indices)
 
@@ -223,7 +224,7 @@ class NativePort:
         batch: Any,
         arrays: list[np.ndarray],
         items: list[tuple[Any, ...]],
-        offsets: np.ndarray,
+        offsets: list[int],
         loaded: LoadedVersion,
         indices: list[int],
     ) -> None:
@@ -237,7 +238,7 @@ class NativePort:
         try:
             for attempt in (0, 1):
                 try:
-                    outputs = self.plane.run(loaded, inputs, rows, sig, count=len(indices))
+                    outputs = self.plane.run(loaded, inputs, rows, sig, count=len(indices), batched=True)
                     break
                 except ModelNotReady:
                     # Being unloaded between routing and queueing: choose again, once, unless the caller

@@ -83,3 +83,13 @@ def test_an_absolute_latency_ceiling_applies_with_or_without_a_champion() -> Non
 def test_thresholds_are_settings() -> None:
     rules = EvalGateSettings(min_accuracy_gain=0.0, max_latency_ratio=2.0)
     assert eval_gate(measured(0.90, (1.9, 7.9)), measured(0.90, role="champion"), rules).passed
+
+
+def test_sub_millisecond_differences_under_the_noise_floor_do_not_fail() -> None:
+    champion = measured(0.90, (0.17, 0.5), role="champion")
+    noisy = measured(0.93, (0.31, 0.52))  # 1.8x the champion at batch 1, but 0.14 ms: scheduling noise
+    assert eval_gate(noisy, champion, RULES).passed
+    strict = EvalGateSettings(min_latency_delta_ms=0.0)
+    assert [c.name for c in eval_gate(noisy, champion, strict).failed] == ["p95 latency @ batch 1"]
+    slower = measured(0.93, (0.45, 0.52))  # past the ratio and past the floor
+    assert [c.name for c in eval_gate(slower, champion, RULES).failed] == ["p95 latency @ batch 1"]
