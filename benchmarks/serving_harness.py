@@ -353,16 +353,57 @@ LISTENER_PID = re.compile(r"pid=(\d+),")
 LOOPBACK = ("127.0.0.1:", "[::ffff:127.0.0.1]:", "[::1]:")
 
 
+def listening(pids: set[int]) -> list[str]:
+    """The addresses the processes ``pids`` listen on (TCP and UDP), from ``ss``, else from /proc (an image
+    without iproute2, like the GPU machine's: its TCP listeners, matched to the processes' socket inodes)."""
+    if shutil.which("ss") is not None:
+        listing = subprocess.run(["ss", "-H", "-ltunp"], capture_output=True, text=True, check=False).stdout
+        return [
+            line.split()[4]
+            for line in listing.splitlines()
+            if len(line.split()) > 4 and pids & {int(pid) for pid in LISTENER_PID.findall(line)}
+        ]
+    return proc_listeners(pids)
+
+
+def proc_listeners(pids: set[int]) -> list[str]:
+    """The TCP addresses the processes ``pids`` listen on, read from /proc."""
+    inodes = set()
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            for fd in Path(f"/proc/{pid}/fd").iterdir():
+                with contextlib.suppress(OSError):
+                    target = str(fd.readlink())
+                    if target.startswith("socket:["):
+                        inodes.add(target[8:-1])
+    addrs = []
+    for table in ("tcp", "tcp6"):
+        with contextlib.suppress(OSError):
+            for line in Path(f"/proc/net/{table}").read_text().splitlines()[1:]:
+                fields = line.split()
+                if len(fields) > 9 and fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
+                    addrs.append(proc_address(fields[1]))
+    return addrs
+
+
+def proc_address(field: str) -> str:
+    """``/proc/net/tcp*``'s ``HEX_IP:HEX_PORT`` as ``ss`` writes it (the IP in host-order 32-bit words)."""
+    import ipaddress
+
+    host, port = field.split(":")
+    raw = b"".join(bytes.fromhex(host[i : i + 8])[::-1] for i in range(0, len(host), 8))
+    ip = ipaddress.ip_address(raw)
+    if ip.version == 4:
+        return f"{ip}:{int(port, 16)}"
+    mapped = ip.ipv4_mapped  # written ::ffff:a.b.c.d by ss, whatever this Python's str() of it says
+    return f"[::ffff:{mapped}]:{int(port, 16)}" if mapped else f"[{ip}]:{int(port, 16)}"
+
+
 def binding(pgid: int, label: str) -> dict[str, Any]:
     """What ``run_peers.sh`` checks before loading a server: every listening socket of its process group is
     on loopback (raise otherwise), and which cores each of its processes may run on."""
     pids = set(group_pids(pgid))
-    listing = subprocess.run(["ss", "-H", "-ltunp"], capture_output=True, text=True, check=False).stdout
-    addrs = [
-        line.split()[4]
-        for line in listing.splitlines()
-        if len(line.split()) > 4 and pids & {int(pid) for pid in LISTENER_PID.findall(line)}
-    ]
+    addrs = listening(pids)
     cpus = set()
     for pid in pids:
         with contextlib.suppress(OSError):

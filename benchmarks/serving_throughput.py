@@ -347,6 +347,17 @@ def cores_notes(setup: Setup, args: argparse.Namespace) -> tuple[str, dict[int, 
     return header, marks
 
 
+def front_end() -> str:
+    """Which gRPC front end our server runs on in this run (serving/native where built and not switched off)."""
+    setting = os.environ.get("SLUICEGATE_SERVING__NATIVE_FRONT", "auto")
+    if setting == "off":
+        return "grpcio (NATIVE_FRONT=off)"
+    from serving.native import load
+
+    module, why = load()
+    return "native (serving/native: C++ lanes, grpcio behind for the rest)" if module else f"grpcio: native {why}"
+
+
 def run_notes(
     setup: Setup, args: argparse.Namespace, pin_note: str, busy: float, every: Lines, problems: Any, native_note: str
 ) -> dict[str, Any]:
@@ -367,6 +378,7 @@ def run_notes(
         },
         "peers": str(setup.peer_root) if setup.peer_root else "not measured (--no-peers)",
         "native reference": native_note,
+        "ours: gRPC front end": front_end(),
         "cores points": f"ours with {WORKERS_ENV}=N"
         if workers
         else f"ours: this server has no {WORKERS_ENV} yet, so one process on N cores",

@@ -320,13 +320,14 @@ bool Call::TryLane() {
     if (index < 0) return false;
     wanted.push_back(index);
   }
+  Front* front = front_;  // once queued, this call may be answered and deleted before the next line
   {
     std::lock_guard<std::mutex> lock(lane->mu);
     if (lane->closed || static_cast<int64_t>(lane->queue.size()) >= lane->max_queue) return false;
     lane->queue.push_back(Item{this, std::move(request), rows, monotonic_s(), std::move(wanted), TraceParent()});
   }
-  front_->fast.fetch_add(1, std::memory_order_relaxed);
-  lane->ready.notify_one();
+  front->fast.fetch_add(1, std::memory_order_relaxed);
+  lane->ready.notify_one();  // the lane outlives this: `table` holds it
   return true;
 }
 

@@ -13,7 +13,16 @@ from pathlib import Path
 import pytest
 
 from benchmarks import serving_harness
-from benchmarks.serving_harness import binding, combine, core_pins, free_port, group_pids, stop
+from benchmarks.serving_harness import (
+    binding,
+    combine,
+    core_pins,
+    free_port,
+    group_pids,
+    proc_address,
+    proc_listeners,
+    stop,
+)
 
 
 def test_on_two_cores_the_second_server_core_is_the_clients() -> None:
@@ -93,6 +102,20 @@ def test_binding_lists_a_loopback_server_and_its_cores() -> None:
     assert found["addrs"]
     assert all(addr.startswith("127.0.0.1:") for addr in found["addrs"])
     assert found["cpus"]
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "0.0.0.0"])
+def test_without_ss_the_listeners_are_read_from_proc_as_ss_writes_them(host: str) -> None:
+    with listener(host) as process:
+        found = proc_listeners({process.pid})
+    port = process.args[-1]
+    assert found == [f"{host}:{port}"]
+
+
+def test_proc_addresses_read_like_ss() -> None:
+    assert proc_address("0100007F:1F90") == "127.0.0.1:8080"
+    assert proc_address("00000000000000000000000001000000:1F91") == "[::1]:8081"
+    assert proc_address("0000000000000000FFFF00000100007F:0050") == "[::ffff:127.0.0.1]:80"
 
 
 def test_binding_refuses_a_server_listening_beyond_loopback() -> None:
