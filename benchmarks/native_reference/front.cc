@@ -9,9 +9,8 @@
 #include <numpy/arrayobject.h>
 
 #include <grpcpp/grpcpp.h>
-#define XXH_INLINE_ALL  // header-only: the digest must not depend on which libxxhash is installed
-#include <xxhash.h>
 
+#include <array>
 #include <chrono>
 #include <condition_variable>
 #include <cstring>
@@ -19,9 +18,11 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <string_view>
 #include <unordered_map>
 #include <vector>
 
+#include "digest.h"  // serving/native/digest.h
 #include "grpc_service.grpc.pb.h"
 
 namespace {
@@ -227,20 +228,6 @@ void free_batch(PyObject* capsule) {
   delete batch;
 }
 
-// The digest our server's request records carry (serving/observability/logs.py): "xxh3-128:" and the
-// canonical (big-endian) hex of XXH3-128, seed 0, of the input bytes.
-std::string digest_of(const std::string& data) {
-  XXH128_canonical_t canonical;
-  XXH128_canonicalFromHash(&canonical, XXH3_128bits(data.data(), data.size()));
-  static const char kHex[] = "0123456789abcdef";
-  std::string out = "xxh3-128:";
-  for (unsigned char byte : canonical.digest) {
-    out.push_back(kHex[byte >> 4]);
-    out.push_back(kHex[byte & 15]);
-  }
-  return out;
-}
-
 // take(model_index) -> (rows, batch, records) with rows a float32 array of up to max_batch rows and
 // records a list of (request id, input digest, rows) when start() was asked to record (else None);
 // None once stopping.
@@ -286,7 +273,7 @@ PyObject* take(PyObject*, PyObject* args) {
     const std::string& data = p.request->raw_input_contents(0);
     std::memcpy(dst, data.data(), data.size());
     dst += data.size();
-    if (g_record) digests.push_back(digest_of(data));
+    if (g_record) digests.push_back(sluicegate::input_digest(std::array<std::string_view, 1>{data}));
   }
   Py_END_ALLOW_THREADS;
   if (!g_record) return Py_BuildValue("(NNO)", rows, capsule, Py_None);

@@ -79,7 +79,7 @@ def source_key(source: Path) -> str:
     import numpy as np
 
     digest = hashlib.sha256()
-    for part in (source.read_bytes(), PROTO.read_bytes()):
+    for part in (source.read_bytes(), PROTO.read_bytes(), (HERE / "digest.h").read_bytes()):
         digest.update(part)
     digest.update(f"{sys.version}|{np.__version__}".encode())
     return digest.hexdigest()[:16]
@@ -112,7 +112,7 @@ def compile_module(source: Path, module: str, out: Path) -> Path:
     run(["protoc", f"-I{PROTO.parent}", f"--cpp_out={out}", f"--grpc_out={out}",
          f"--plugin=protoc-gen-grpc={plugin}", PROTO.name], cwd=PROTO.parent)  # fmt: skip
     flags = run(["pkg-config", "--cflags", "--libs", "grpc++", "protobuf"]).stdout.split()
-    include = [f"-I{out}", f"-I{sysconfig.get_paths()['include']}", f"-I{np.get_include()}"]
+    include = [f"-I{out}", f"-I{HERE}", f"-I{sysconfig.get_paths()['include']}", f"-I{np.get_include()}"]
     sources = [str(source), str(out / "grpc_service.pb.cc"), str(out / "grpc_service.grpc.pb.cc")]
     target = out / f"{module}{suffix}"
     run(["g++", "-O2", "-fPIC", "-shared", "-std=c++17", *include, *sources, *flags, "-o", str(target)])

@@ -21,8 +21,6 @@
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/support/proto_buffer_reader.h>
 #include <grpcpp/impl/codegen/proto_utils.h>
-#define XXH_INLINE_ALL  // header-only: the digest must not depend on which libxxhash is installed
-#include <xxhash.h>
 
 #include <atomic>
 #include <chrono>
@@ -36,6 +34,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "digest.h"
 #include "grpc_service.pb.h"
 
 namespace {
@@ -543,19 +542,29 @@ PyObject* add_lane(PyObject*, PyObject* args) {
   return PyLong_FromLongLong(lane->id);
 }
 
+// (front, lane id) from a call's arguments; false with the Python error set.
+bool front_and_lane(PyObject* args, Front** front, long long* id) {
+  PyObject* capsule;
+  if (!PyArg_ParseTuple(args, "OL", &capsule, id)) return false;
+  *front = front_of(capsule);
+  return *front != nullptr;
+}
+
+std::shared_ptr<Lane> find_lane(Front* front, long long id) {
+  std::lock_guard<std::mutex> lock(front->lanes_mu);
+  auto found = front->by_id.find(id);
+  return found == front->by_id.end() ? nullptr : found->second;
+}
+
 // close_lane(front, lane id): new requests no longer take it; take() returns what is queued, then None.
 PyObject* close_lane(PyObject*, PyObject* args) {
-  PyObject* capsule;
+  Front* front;
   long long id;
-  if (!PyArg_ParseTuple(args, "OL", &capsule, &id)) return nullptr;
-  Front* front = front_of(capsule);
-  if (front == nullptr) return nullptr;
-  std::shared_ptr<Lane> lane;
+  if (!front_and_lane(args, &front, &id)) return nullptr;
+  std::shared_ptr<Lane> lane = find_lane(front, id);  // stays in by_id until take() has drained it
+  if (!lane) Py_RETURN_NONE;
   {
     std::lock_guard<std::mutex> lock(front->lanes_mu);
-    auto found = front->by_id.find(id);
-    if (found == front->by_id.end()) Py_RETURN_NONE;
-    lane = found->second;  // stays in by_id until take() has drained it
     auto table = std::make_shared<LaneTable>(*std::atomic_load(&front->lanes));
     auto entry = table->find(lane_key(lane->model, lane->version));
     if (entry != table->end() && entry->second == lane) table->erase(entry);
@@ -569,24 +578,6 @@ PyObject* close_lane(PyObject*, PyObject* args) {
   Py_RETURN_NONE;
 }
 
-// The digest our request records carry (serving/observability/logs.py raw_digest): "xxh3-128:" and the
-// canonical (big-endian) hex of XXH3-128, seed 0, of the input buffers one after another.
-std::string digest_of(const ModelInferRequest& request) {
-  XXH3_state_t state;
-  XXH3_INITSTATE(&state);
-  XXH3_128bits_reset(&state);
-  for (const auto& buffer : request.raw_input_contents()) XXH3_128bits_update(&state, buffer.data(), buffer.size());
-  XXH128_canonical_t canonical;
-  XXH128_canonicalFromHash(&canonical, XXH3_128bits_digest(&state));
-  static const char kHex[] = "0123456789abcdef";
-  std::string out = "xxh3-128:";
-  for (unsigned char byte : canonical.digest) {
-    out.push_back(kHex[byte >> 4]);
-    out.push_back(kHex[byte & 15]);
-  }
-  return out;
-}
-
 PyObject* text(const std::string& s) {
   // Request text need not be UTF-8: replaced, not refused (it is only logged).
   return PyUnicode_DecodeUTF8(s.data(), static_cast<Py_ssize_t>(s.size()), "replace");
@@ -598,17 +589,10 @@ PyObject* text(const std::string& s) {
 // whose callers stopped waiting (deadline, cancel), answered already and not run:
 // (id, status name, rows, received). batch, arrays and items are None when every request was gone.
 PyObject* take(PyObject*, PyObject* args) {
-  PyObject* capsule;
+  Front* front;
   long long id;
-  if (!PyArg_ParseTuple(args, "OL", &capsule, &id)) return nullptr;
-  Front* front = front_of(capsule);
-  if (front == nullptr) return nullptr;
-  std::shared_ptr<Lane> lane;
-  {
-    std::lock_guard<std::mutex> lock(front->lanes_mu);
-    auto found = front->by_id.find(id);
-    if (found != front->by_id.end()) lane = found->second;
-  }
+  if (!front_and_lane(args, &front, &id)) return nullptr;
+  std::shared_ptr<Lane> lane = find_lane(front, id);
   auto batch = std::make_unique<Batch>();
   if (!lane) Py_RETURN_NONE;  // closed and drained
   batch->lane = lane;
@@ -697,7 +681,7 @@ PyObject* take(PyObject*, PyObject* args) {
       std::memcpy(dst[i], data.data(), data.size());
       dst[i] += data.size();
     }
-    if (record) digests[k] = digest_of(request);
+    if (record) digests[k] = sluicegate::input_digest(request.raw_input_contents());
   }
   Py_END_ALLOW_THREADS;
   PyObject* items = PyList_New(static_cast<Py_ssize_t>(raw->items.size()));
