@@ -25,6 +25,10 @@ import sysconfig
 import tempfile
 from pathlib import Path
 
+import grpc
+
+from serving.errors import ServingError
+
 HERE = Path(__file__).resolve().parent
 PROTO = HERE.parent / "proto" / "grpc_service.proto"
 FRONT_SOURCE = HERE / "front.cc"
@@ -43,8 +47,10 @@ LIBRARIES = ("grpc++", "protobuf", "libxxhash")  # pkg-config names; xxhash is u
 BUILD_TIMEOUT_S = 600
 
 
-class BuildUnavailable(RuntimeError):
-    """The module cannot be built here; the message says what is missing."""
+class BuildUnavailable(ServingError):
+    """The module cannot be built (or loaded) here; the message says what is missing."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
 
 
 def missing() -> list[str]:
