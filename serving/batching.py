@@ -197,12 +197,13 @@ class DynamicBatcher:
         self._thread = threading.Thread(target=self._work, name=name, daemon=True)
         self._thread.start()
 
-    def submit(self, inputs: Mapping[str, Array], trace: Any = None) -> Future[Batch]:
+    def submit(self, inputs: Mapping[str, Array], trace: Any = None, count: int = 1) -> Future[Batch]:
         """Queue one request; the future resolves to its own rows of every output.
 
         Args:
             inputs: Input name to array, each with the same leading batch dimension n >= 1.
             trace: the request's queued-trace handle, given to the tracer with its batch.
+            count: The callers these rows belong to, for the statistics (as for ``call``).
 
         Returns:
             A future of ``{output name: array}`` with n rows each, owned by this request.
@@ -214,7 +215,7 @@ class DynamicBatcher:
             ModelNotReady: ``stop()`` was called.
         """
         arrays, rows, signature = self._admit(inputs)
-        request = _Request(arrays, rows, signature, trace)
+        request = _Request(arrays, rows, signature, trace, count=count)
         self._enqueue(request)
         return request.future  # type: ignore[return-value]  # a Future: no slot was given
 

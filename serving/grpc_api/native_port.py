@@ -21,6 +21,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 from itertools import accumulate
 from pathlib import Path
@@ -87,12 +88,17 @@ def wanted_lanes(versions: dict[str, dict[str, LoadedVersion]]) -> dict[tuple[st
 
 
 class _Lane:
-    __slots__ = ("id", "model", "names", "spec", "thread", "version")
+    __slots__ = ("id", "inline", "model", "names", "spec", "thread", "version")
 
     def __init__(self, lane_id: int, model: str, version: str, spec: LaneSpec) -> None:
         self.id, self.model, self.version, self.spec = lane_id, model, version, spec
         self.names = [name for name, _, _ in spec.inputs]
         self.thread: threading.Thread | None = None
+        # Its batches run on the lane thread (no hand-off), which then waits for them: only where every
+        # request of the lane goes to one version. A lane shared by several versions (a canary) hands each
+        # version's rows to that version's batcher and goes on taking: a slow version must not hold up the
+        # others' requests (a canary that queues 40 ms per request made stable just as slow).
+        self.inline = True
 
 
 class NativePort:
@@ -154,7 +160,8 @@ class NativePort:
         with self._sync_lock:
             if self._closed:
                 return
-            wanted = wanted_lanes(self.plane.versions())
+            versions = self.plane.versions()
+            wanted = wanted_lanes(versions)
             for key, lane in list(self._lanes.items()):
                 if wanted.get(key) != lane.spec:
                     self._native.close_lane(self._front, lane.id)  # its thread drains it and ends
@@ -162,6 +169,8 @@ class NativePort:
             for key, spec in wanted.items():
                 if key not in self._lanes:
                     self._lanes[key] = self._open(key[0], key[1], spec)
+            for (model, version), lane in self._lanes.items():
+                lane.inline = bool(version) or len(versions.get(model, ())) <= 1
 
     def _open(self, model: str, version: str, spec: LaneSpec) -> _Lane:
         inputs = [
@@ -238,7 +247,10 @@ class NativePort:
         try:
             for attempt in (0, 1):
                 try:
-                    outputs = self.plane.run(loaded, inputs, rows, sig, count=len(indices), batched=True)
+                    if lane.inline:
+                        outputs = self.plane.run(loaded, inputs, rows, sig, count=len(indices), batched=True)
+                    else:
+                        queued = loaded.batcher.submit(inputs, count=len(indices))
                     break
                 except ModelNotReady:
                     # Being unloaded between routing and queueing: choose again, once, unless the caller
@@ -246,13 +258,46 @@ class NativePort:
                     if attempt or lane.version:
                         raise
                     loaded = self.plane.route(lane.model)
-        except ServingError as exc:
-            self._refuse(lane, batch, indices, items, loaded.version, exc)
-            return
         except Exception as exc:
-            log.exception("/inference.GRPCInferenceService/ModelInfer failed")
-            self._refuse(lane, batch, indices, items, loaded.version, exc)
+            self._failed(lane, batch, indices, items, loaded, exc)
             return
+        if lane.inline:
+            self._answer(lane, batch, items, indices, loaded, outputs)
+            return
+        chosen = loaded
+
+        def done(future: Future[dict[str, np.ndarray]]) -> None:  # on the version's batcher thread
+            error = future.exception()
+            if error is not None:
+                self._failed(lane, batch, indices, items, chosen, error)
+            else:
+                self._answer(lane, batch, items, indices, chosen, future.result())
+
+        queued.add_done_callback(done)
+
+    def _failed(
+        self,
+        lane: _Lane,
+        batch: Any,
+        indices: list[int],
+        items: list[tuple[Any, ...]],
+        loaded: LoadedVersion,
+        exc: BaseException,
+    ) -> None:
+        if not isinstance(exc, ServingError):
+            log.error("/inference.GRPCInferenceService/ModelInfer failed", exc_info=exc)
+        self._refuse(lane, batch, indices, items, loaded.version, exc)
+
+    def _answer(
+        self,
+        lane: _Lane,
+        batch: Any,
+        items: list[tuple[Any, ...]],
+        indices: list[int],
+        loaded: LoadedVersion,
+        outputs: dict[str, np.ndarray],
+    ) -> None:
+        """Hand the outputs to C++ for the callers of ``indices``, then count and record them."""
         runtime = str(loaded.runtime.level_name)
         wire = [
             (name, datatype, np.ascontiguousarray(outputs[name], dtype=DATATYPES[datatype].newbyteorder("<")))
@@ -264,7 +309,13 @@ class NativePort:
         self._account(lane, items, indices, loaded, "OK", runtime, logits, late=late)
 
     def _refuse(
-        self, lane: _Lane, batch: Any, indices: list[int], items: list[tuple[Any, ...]], version: str, exc: Exception
+        self,
+        lane: _Lane,
+        batch: Any,
+        indices: list[int],
+        items: list[tuple[Any, ...]],
+        version: str,
+        exc: BaseException,
     ) -> None:
         if isinstance(exc, ServingError):
             code, details, name = exc.code.value[0], clip(str(exc), DETAILS_CHARS), exc.code.name

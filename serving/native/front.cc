@@ -349,7 +349,9 @@ const char kBatchCapsule[] = "sluicegate.native.batch";
 struct Batch {
   std::shared_ptr<Lane> lane;
   std::vector<Item> items;
-  std::vector<bool> done;
+  // One byte each, not vector<bool>'s bits: a lane shared by several versions answers its groups from
+  // their batcher threads at once (distinct requests, so distinct bytes).
+  std::vector<char> done;
 };
 
 Front* front_of(PyObject* capsule) { return static_cast<Front*>(PyCapsule_GetPointer(capsule, kFrontCapsule)); }
@@ -640,7 +642,7 @@ PyObject* take(PyObject*, PyObject* args) {
     PyList_SET_ITEM(late, static_cast<Py_ssize_t>(k), entry);
   }
   if (batch->items.empty()) return Py_BuildValue("(OOON)", Py_None, Py_None, Py_None, late);
-  batch->done.assign(batch->items.size(), false);
+  batch->done.assign(batch->items.size(), 0);
   Batch* raw = batch.release();
   PyObject* batch_capsule = PyCapsule_New(raw, kBatchCapsule, free_batch);
   if (batch_capsule == nullptr) {
@@ -810,7 +812,7 @@ PyObject* answer(PyObject*, PyObject* args) {
       grpc::ByteBuffer buffer;
       bool own = false;
       grpc::SerializationTraits<ModelInferResponse>::Serialize(response, &buffer, &own);
-      batch->done[k] = true;
+      batch->done[k] = 1;
       item.call->Answer(std::move(buffer));
     }
     Py_END_ALLOW_THREADS;
@@ -843,7 +845,7 @@ PyObject* refuse(PyObject*, PyObject* args) {
   const grpc::Status status(static_cast<grpc::StatusCode>(code), message);
   for (size_t k : which) {
     if (batch->done[k]) continue;
-    batch->done[k] = true;
+    batch->done[k] = 1;
     batch->items[k].call->Refuse(status);
   }
   Py_RETURN_NONE;

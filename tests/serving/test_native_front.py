@@ -11,6 +11,7 @@ import json
 import logging
 import shutil
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -261,3 +262,45 @@ def test_records_of_lane_requests_carry_the_inputs_digest(tmp_path: Path, repo: 
         assert record["input_digest"] == raw_digest([x.tobytes()])
         assert (record["model_version"], record["status"], record["batch_size"]) == ("1", "OK", 1)
         assert record["runtime"] == "onnxruntime" and record["output_confidence"] is not None
+
+
+def test_a_slow_version_does_not_hold_up_the_other_versions_requests_in_their_shared_lane(tmp_path: Path) -> None:
+    from tests.fixtures.models import resnet, write_model_version
+
+    root = tmp_path / "repo"
+    quick = {"max_batch_size": 8, "max_queue_delay_us": 0, "max_queue_size": 256}
+    write_model_version(root, MODEL, "1", resnet(1), batching=quick)
+    # Version 2 waits 1 s for company before every batch (the fault of benchmarks/rollout_time.py, longer);
+    # its cap of 64 rows is never reached here, so every batch of it waits the whole second.
+    slow = {"max_batch_size": 64, "max_queue_delay_us": 1_000_000, "max_queue_size": 256}
+    write_model_version(root, MODEL, "2", resnet(2), batching=slow)
+    settings = ServingSettings(
+        repository=str(root), grpc_port=0, http_port=0, cache_dir=tmp_path / "cache", probe_interval_s=0
+    )
+    running = start(settings)
+    try:
+        assert running.wait_ready(120)
+        running.dataplane.set_weights(MODEL, {"1": 50, "2": 50})
+        stub = grpc_service_pb2_grpc.GRPCInferenceServiceStub(grpc.insecure_channel(f"127.0.0.1:{running.grpc_port}"))
+        stub.ModelInfer(raw_request(batch(1, seed=499), version="1"))  # the channel connected before the start
+        finished: list[tuple[float, str]] = []
+        lock = threading.Lock()
+        together = threading.Barrier(16)
+
+        def call(k: int) -> None:
+            x = raw_request(batch(1, seed=500 + k))  # no version: the shared lane
+            together.wait()
+            answer = stub.ModelInfer(x)
+            with lock:
+                finished.append((time.monotonic(), answer.model_version))
+
+        fast_before = running.grpc_server.counts()[0]
+        with ThreadPoolExecutor(16) as pool:
+            list(pool.map(call, range(16)))
+        assert running.grpc_server.counts()[0] - fast_before == 16
+    finally:
+        running.stop(grace=5, delay=0)
+    versions = [version for _, version in sorted(finished)]
+    assert set(versions) == {"1", "2"}, versions
+    # Every answer from version 1 came before the first of the slow version 2's: none of them waited on it.
+    assert versions.index("2") == versions.count("1"), versions
