@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 from concurrent import futures
 from dataclasses import dataclass
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -56,8 +57,9 @@ class GrpcPort:
     secure: bool = False
 
 
-def _native_front(settings: ServingSettings) -> ModuleType | None:
+def native_front(settings: ServingSettings, folder: Path | None = None) -> ModuleType | None:
     """The native front end's module where ``native_front`` asks for it and it is built, else None.
+    ``folder``: where it was built (default: serving/native).
 
     Raises:
         SystemExit: ``native_front=on`` and it cannot be loaded.
@@ -66,7 +68,7 @@ def _native_front(settings: ServingSettings) -> ModuleType | None:
         return None
     from serving.native import load
 
-    native, why = load()
+    native, why = load() if folder is None else load(folder)
     if native is None:
         if settings.native_front == "on":
             raise SystemExit(f"native_front=on, but the native front end cannot be loaded: {why}")
@@ -116,7 +118,7 @@ def bind_grpc(
     Raises:
         SystemExit: The gRPC address cannot be bound (in use?).
     """
-    native = _native_front(settings)
+    native = native_front(settings)
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=settings.grpc_workers, thread_name_prefix="grpc"),
         options=grpc_options(settings),

@@ -21,6 +21,7 @@ import onnxruntime as ort
 import pytest
 
 from serving.grpc_api.native_port import NativePort, wanted_lanes
+from serving.grpc_api.server import native_front
 from serving.native import HERE, load
 from serving.native.build import FRONT_MODULE
 from serving.observability.logs import raw_digest
@@ -77,14 +78,15 @@ def test_an_unbuilt_or_stale_module_is_not_loaded_and_says_why(tmp_path: Path) -
     assert module is None and "rebuild" in why
 
 
-def test_without_the_module_native_front_on_refuses_to_start(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import serving.native
-
-    monkeypatch.setattr(serving.native, "HERE", tmp_path)  # an empty folder: nothing built there
-    monkeypatch.setattr(serving.native.load, "__defaults__", (tmp_path,))
-    settings = ServingSettings(repository=str(tmp_path), grpc_port=0, http_port=0, native_front="on")
+def test_without_the_module_native_front_on_refuses_to_start_and_auto_falls_back(tmp_path: Path) -> None:
+    empty = tmp_path / "unbuilt"  # nothing built there
+    empty.mkdir()
+    on = ServingSettings(repository=str(tmp_path), grpc_port=0, http_port=0, native_front="on")
     with pytest.raises(SystemExit, match=r"native_front=on.*python -m serving\.native\.build"):
-        start(settings)
+        native_front(on, empty)
+    assert native_front(on.model_copy(update={"native_front": "auto"}), empty) is None
+    assert native_front(on.model_copy(update={"native_front": "off"})) is None
+    assert native_front(on.model_copy(update={"native_front": "auto"})) is not None  # built by make test
 
 
 def test_lanes_cover_fixed_shape_versions_and_models_whose_versions_agree(server: RunningServer) -> None:
