@@ -195,8 +195,15 @@ class NativePort:
                     self._gone(lane, gone)
                 if batch is not None:
                     self._batch(lane, batch, arrays, items)
-            except Exception:  # the batch's capsule answers INTERNAL to whoever was not answered
+            except Exception:
                 log.exception("lane %s/%s failed a batch", lane.model, lane.version)
+                if batch is not None:
+                    # Answered here, not left to the capsule's destructor: the logged traceback keeps the
+                    # batch alive (a log handler holding the record, e.g. pytest's), and a call never
+                    # finished holds grpc++'s Shutdown for ever (CI: a rollout test's 600 s timeout).
+                    # Those a version's batcher thread answers at this moment were claimed under the GIL
+                    # (front.cc answer()): refuse() skips them.
+                    self._native.refuse(batch, range(len(items)), INTERNAL, INTERNAL_DETAILS)
 
     def _gone(self, lane: _Lane, gone: list[tuple[str, str, int, float]]) -> None:
         """Requests whose callers stopped waiting before their batch ran: counted, recorded, never run."""
@@ -237,17 +244,20 @@ class NativePort:
         loaded: LoadedVersion,
         indices: list[int],
     ) -> None:
-        if len(indices) == len(items):
-            inputs = dict(zip(lane.names, arrays, strict=True))
-        else:
-            rows_of = np.concatenate([np.arange(offsets[k], offsets[k + 1]) for k in indices])
-            inputs = {name: array[rows_of] for name, array in zip(lane.names, arrays, strict=True)}
-        rows = int(sum(items[k][2] for k in indices))
-        sig = signature(inputs)
+        # Read once: sync() may flip it from another thread while this batch runs (CI: read twice, a
+        # canary loaded in between left an inline batch on the hand-off path, and its callers unanswered).
+        inline = lane.inline
         try:
+            if len(indices) == len(items):
+                inputs = dict(zip(lane.names, arrays, strict=True))
+            else:
+                rows_of = np.concatenate([np.arange(offsets[k], offsets[k + 1]) for k in indices])
+                inputs = {name: array[rows_of] for name, array in zip(lane.names, arrays, strict=True)}
+            rows = int(sum(items[k][2] for k in indices))
+            sig = signature(inputs)
             for attempt in (0, 1):
                 try:
-                    if lane.inline:
+                    if inline:
                         outputs = self.plane.run(loaded, inputs, rows, sig, count=len(indices), batched=True)
                     else:
                         queued = loaded.batcher.submit(inputs, count=len(indices))
@@ -261,17 +271,20 @@ class NativePort:
         except Exception as exc:
             self._failed(lane, batch, indices, items, loaded, exc)
             return
-        if lane.inline:
-            self._answer(lane, batch, items, indices, loaded, outputs)
+        if inline:
+            self._answer(lane, batch, items, indices, loaded, outputs)  # raising: _serve refuses the rest
             return
         chosen = loaded
 
         def done(future: Future[dict[str, np.ndarray]]) -> None:  # on the version's batcher thread
             error = future.exception()
-            if error is not None:
-                self._failed(lane, batch, indices, items, chosen, error)
-            else:
-                self._answer(lane, batch, items, indices, chosen, future.result())
+            if error is None:
+                try:
+                    self._answer(lane, batch, items, indices, chosen, future.result())
+                    return
+                except Exception as exc:  # nobody above this thread would answer its callers
+                    error = exc
+            self._failed(lane, batch, indices, items, chosen, error)
 
         queued.add_done_callback(done)
 

@@ -747,11 +747,13 @@ PyObject* answer(PyObject*, PyObject* args) {
   std::vector<size_t> which;
   if (!index_list(indices, batch->items.size(), &which)) return nullptr;
   int64_t rows = 0;
+  std::vector<char> seen(batch->items.size(), 0);
   for (size_t k : which) {
-    if (batch->done[k]) {
+    if (batch->done[k] || seen[k]) {
       PyErr_SetString(PyExc_ValueError, "a request of this batch was answered already");
       return nullptr;
     }
+    seen[k] = 1;
     rows += batch->items[k].rows;
   }
   PyObject* fast = PySequence_Fast(outputs, "outputs must be a sequence");
@@ -780,6 +782,9 @@ PyObject* answer(PyObject*, PyObject* args) {
   Py_DECREF(fast);
   std::vector<std::pair<size_t, const char*>> late;  // answered after the caller stopped waiting
   if (ok) {
+    // Claimed while the GIL is held, as refuse() checks them: once the GIL is released below, a refuse()
+    // of the same batch from another thread (a lane thread failing the rest of it) must skip these.
+    for (size_t k : which) batch->done[k] = 1;
     const std::string version_s(version, version_n);
     Py_BEGIN_ALLOW_THREADS;
     const auto now = std::chrono::system_clock::now();
@@ -812,7 +817,6 @@ PyObject* answer(PyObject*, PyObject* args) {
       grpc::ByteBuffer buffer;
       bool own = false;
       grpc::SerializationTraits<ModelInferResponse>::Serialize(response, &buffer, &own);
-      batch->done[k] = 1;
       item.call->Answer(std::move(buffer));
     }
     Py_END_ALLOW_THREADS;

@@ -306,3 +306,43 @@ def test_a_slow_version_does_not_hold_up_the_other_versions_requests_in_their_sh
     assert set(versions) == {"1", "2"}, versions
     # Every answer from version 1 came before the first of the slow version 2's: none of them waited on it.
     assert versions.index("2") == versions.count("1"), versions
+
+
+def test_a_version_whose_batches_fail_answers_every_caller_and_lets_the_server_stop(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from tests.fixtures.models import Doubled, resnet, write_model_version
+
+    # caplog keeps every logged record, traceback and all, as pytest does for any failing test: a batch
+    # must not depend on being garbage-collected to answer its callers (CI hung 600 s in Shutdown).
+    caplog.set_level(logging.ERROR)
+    root = tmp_path / "repo"
+    write_model_version(root, MODEL, "1", Doubled(resnet(1)), batching={"max_batch_size": 8, "max_queue_delay_us": 0})
+    settings = ServingSettings(
+        repository=str(root), grpc_port=0, http_port=0, cache_dir=tmp_path / "cache", probe_interval_s=0
+    )
+    running = start(settings)
+    stopped = threading.Event()
+    try:
+        assert running.wait_ready(120)
+        assert isinstance(running.grpc_server, NativePort)
+        stub = grpc_service_pb2_grpc.GRPCInferenceServiceStub(grpc.insecure_channel(f"127.0.0.1:{running.grpc_port}"))
+
+        def call(k: int) -> grpc.StatusCode:
+            try:
+                stub.ModelInfer(raw_request(batch(1, seed=600 + k)), timeout=60)
+            except grpc.RpcError as exc:
+                return exc.code()
+            return grpc.StatusCode.OK
+
+        fast_before = running.grpc_server.counts()[0]
+        with ThreadPoolExecutor(16) as pool:
+            codes = list(pool.map(call, range(16)))
+        assert running.grpc_server.counts()[0] - fast_before == 16, "the calls did not take the lane"
+        assert grpc.StatusCode.OK not in codes and grpc.StatusCode.DEADLINE_EXCEEDED not in codes, codes
+        assert set(codes) == {grpc.StatusCode.INTERNAL}, codes  # the batcher refuses the doubled rows
+    finally:
+        stopper = threading.Thread(target=lambda: (running.stop(grace=5, delay=0), stopped.set()), daemon=True)
+        stopper.start()
+        stopper.join(60)
+    assert stopped.is_set(), "the server did not stop: a failed batch left a call unfinished"

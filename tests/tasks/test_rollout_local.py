@@ -18,9 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 import tritonclient.grpc as triton
-from torch import nn
 
 from serving.server import RunningServer, start
 from serving.settings import ServingSettings
@@ -31,24 +29,12 @@ from tasks.rollout.plan import RolloutPlan, Thresholds
 from tasks.rollout.platform import PlatformError
 from tasks.rollout.runner import Hooks, run_rollout
 from tests.fixtures import tls as tls_fixture
-from tests.fixtures.models import SPEC, resnet, write_model_version
+from tests.fixtures.models import SPEC, Doubled, resnet, write_model_version
 from tests.fixtures.tls import make_pki
 
 MODEL = "pcb"
 TOKEN = "rollout-test-token"
 BATCHING = {"max_batch_size": 8, "max_queue_delay_us": 0, "max_queue_size": 256}
-
-
-class Doubled(nn.Module):
-    """Answers twice the rows it is given: the server refuses the batch, so every request fails."""
-
-    def __init__(self, inner: nn.Module) -> None:
-        super().__init__()
-        self.inner = inner
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.inner(x)
-        return torch.cat([out, out])
 
 
 @pytest.fixture(scope="module")
