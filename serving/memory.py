@@ -5,13 +5,14 @@ from __future__ import annotations
 import ctypes
 from dataclasses import dataclass
 
-_M_MMAP_THRESHOLD, _M_ARENA_MAX = -3, -8  # glibc's mallopt parameters
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_ARENA_MAX = -1, -3, -8  # glibc's mallopt parameters
 
 
-def bound_heap_retention(threshold: int = 4 << 20, arenas: int = 2) -> bool:
+def bound_heap_retention(threshold: int = 4 << 20, arenas: int = 2, trim_threshold: int = 32 << 20) -> bool:
     """Make glibc give freed large blocks back: every allocation from ``threshold`` up mapped on its own and
-    unmapped when freed, and at most ``arenas`` heaps; returns whether both were set (False where the C
-    library is not glibc).
+    unmapped when freed, and at most ``arenas`` heaps; the rest is returned by ``start_trimmer``, not on
+    every ``free`` (``trim_threshold``); returns whether all three were set (False where the C library is
+    not glibc).
 
     By default glibc raises the threshold to the size of each large block freed (up to 32 MiB), so after
     one big request later ones come from the heaps, and it keeps up to 8 heaps per core, one per thread
@@ -22,13 +23,26 @@ def bound_heap_retention(threshold: int = 4 << 20, arenas: int = 2) -> bool:
     after, 11 % of small-model throughput; what the heaps keep below 4 MiB the trimmer gives back.
     Process-wide, and a heap limit only binds threads started after it: ``python -m serving`` calls it
     first thing.
+
+    Fixing the mmap threshold also fixes glibc's trim threshold at its 128 KiB default: whenever a heap's
+    free top grew past that, ``free`` gave it back to the kernel, and the next batch faulted it in again,
+    page by page (2-7 minor faults per small-model request at c=32, the telemetry's held batches making it
+    worse; 0.2-0.3 with a high threshold). The trimmer thread gives back what a burst leaves, so the heaps
+    keep up to ``trim_threshold`` of free top only until its next tick.
     """
     try:
         mallopt = ctypes.CDLL(None).mallopt
     except (OSError, AttributeError):
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    return bool(mallopt(_M_MMAP_THRESHOLD, threshold)) and bool(mallopt(_M_ARENA_MAX, arenas))
+    return all(
+        bool(mallopt(param, value))
+        for param, value in (
+            (_M_MMAP_THRESHOLD, threshold),
+            (_M_ARENA_MAX, arenas),
+            (_M_TRIM_THRESHOLD, trim_threshold),
+        )
+    )
 
 
 @dataclass

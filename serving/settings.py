@@ -142,7 +142,10 @@ class ServingSettings(BaseSettings):
         300, ge=1, description="Images in the window before the first KS test (smaller windows alarm by chance)."
     )
     drift_test_min_interval_s: float = Field(
-        1.0, ge=0, description="Seconds at least between two KS tests of one version (0: by drift_test_every only)."
+        1.0,
+        ge=0,
+        description="Seconds at least between two KS tests of one version (0: by drift_test_every only); also"
+        " the drift sample: at most drift_window images per interval are featurized, spread over it (0: every one).",
     )
     drift_ks_threshold: float = Field(
         0.15, gt=0, le=1, description="KS statistic above which a feature has drifted (with drift_p_threshold)."

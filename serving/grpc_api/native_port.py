@@ -15,7 +15,6 @@ Lanes follow the data plane: rebuilt on every load, unload and runtime change (t
 from __future__ import annotations
 
 import logging
-import secrets
 import shutil
 import tempfile
 import threading
@@ -33,6 +32,7 @@ import numpy as np
 from serving.batching import signature
 from serving.dataplane import DataPlane, LoadedVersion
 from serving.errors import DETAILS_CHARS, ModelNotReady, ServingError, clip
+from serving.observability.logs import LaneBatch
 from serving.observability.metrics import ServerMetrics
 from serving.types import DATATYPES
 
@@ -349,38 +349,21 @@ class NativePort:
         version: str = "",
         late: dict[int, str] | None = None,
     ) -> None:
-        """Each request's metrics and record, as serving/grpc_api/servicer.py makes them; ``late``: the
-        requests answered after their callers stopped waiting, and what those callers saw."""
-        now, wall = time.perf_counter(), time.time()
+        """Each request's metrics, as serving/grpc_api/servicer.py counts them, and the requests' records
+        in one ``LaneBatch`` (expanded into lines on the telemetry thread); ``late``: the requests (by
+        index in ``items``) answered after their callers stopped waiting, and what those callers saw."""
+        now = time.perf_counter()
         version = loaded.version if loaded is not None else (version or lane.version)
-        monitors = loaded.monitors if loaded is not None else None
-        observe, request_log = self.metrics.observe, self.request_log
-        row = 0
+        observe, model = self.metrics.observe, lane.model
         for k in indices:
-            request_id, digest, rows, received, traceparent = items[k]
-            elapsed = now - received
-            status = late.get(k, code) if late else code
-            observe(lane.model, version, status, elapsed)
-            request_id = request_id or secrets.token_hex(16)
-            if request_log is not None and request_log.wanted(request_id, status):
-                request_log.record(
-                    (
-                        wall,
-                        request_id,
-                        lane.model,
-                        version,
-                        digest,
-                        runtime if status == "OK" else None,
-                        rows,
-                        elapsed,
-                        status,
-                        None,
-                        (("traceparent", traceparent),) if traceparent else None,
-                        logits[row : row + rows] if logits is not None else None,
-                        monitors,
-                    )
-                )
-            row += rows
+            observe(model, version, late.get(k, code) if late else code, now - items[k][3])
+        if self.request_log is not None:
+            requests = [items[k] for k in indices]
+            moved = {position: late[k] for position, k in enumerate(indices) if k in late} if late else None
+            monitors = loaded.monitors if loaded is not None else None
+            self.request_log.record_batch(
+                LaneBatch(time.time(), model, version, runtime, code, requests, logits, monitors, moved, now)
+            )
 
     # -- shutdown ------------------------------------------------------------------------------------
 

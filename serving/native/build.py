@@ -3,9 +3,10 @@
 native reference (benchmarks/native_reference, cached outside the repository).
 
 The module links grpc++ and protobuf from the system (Debian: ``libgrpc++-dev``, ``protobuf-compiler-grpc``;
-``libxxhash-dev`` for the request digests, header-only); PyPI's grpcio ships no C++ headers. The V2 messages'
-C++ code is generated from ``serving/proto/grpc_service.proto``, so the wire format is the one the grpcio
-server speaks. A build takes ~40 s on 2 cores.
+``libxxhash-dev`` for the request digests, header-only, ``digest.c`` built once per instruction set);
+PyPI's grpcio ships no C++ headers. The V2 messages' C++ code is generated from
+``serving/proto/grpc_service.proto``, so the wire format is the one the grpcio server speaks. A build takes
+~40 s on 2 cores.
 
 Where the tools are missing and we may install Debian packages (root, ``apt-get`` present), they are
 installed; otherwise ``BuildUnavailable`` says what to install.
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import platform
 import shutil
 import stat
 import subprocess
@@ -32,6 +34,7 @@ from serving.errors import ServingError
 HERE = Path(__file__).resolve().parent
 PROTO = HERE.parent / "proto" / "grpc_service.proto"
 FRONT_SOURCE = HERE / "front.cc"
+DIGEST_SOURCE = HERE / "digest.c"
 FRONT_MODULE = "_front"
 DEBIAN_PACKAGES = (
     "g++",
@@ -85,7 +88,7 @@ def source_key(source: Path) -> str:
     import numpy as np
 
     digest = hashlib.sha256()
-    for part in (source.read_bytes(), PROTO.read_bytes(), (HERE / "digest.h").read_bytes()):
+    for part in (source.read_bytes(), PROTO.read_bytes(), (HERE / "digest.h").read_bytes(), DIGEST_SOURCE.read_bytes()):
         digest.update(part)
     digest.update(f"{sys.version}|{np.__version__}".encode())
     return digest.hexdigest()[:16]
@@ -121,8 +124,24 @@ def compile_module(source: Path, module: str, out: Path) -> Path:
     include = [f"-I{out}", f"-I{HERE}", f"-I{sysconfig.get_paths()['include']}", f"-I{np.get_include()}"]
     sources = [str(source), str(out / "grpc_service.pb.cc"), str(out / "grpc_service.grpc.pb.cc")]
     target = out / f"{module}{suffix}"
-    run(["g++", "-O2", "-fPIC", "-shared", "-std=c++17", *include, *sources, *flags, "-o", str(target)])
+    objects = digest_objects(out)
+    run(["g++", "-O2", "-fPIC", "-shared", "-std=c++17", *include, *sources, *objects, *flags, "-o", str(target)])
     return target
+
+
+def digest_objects(out: Path) -> list[str]:
+    """``digest.c`` compiled once per instruction set ``digest.h`` chooses from at run time: the platform's
+    baseline, and on x86-64 also AVX2 and AVX-512 (three times faster than SSE2 for a request's input)."""
+    variants: list[tuple[str, list[str]]] = [("base", [])]
+    if platform.machine().lower() in ("x86_64", "amd64"):
+        variants += [("avx2", ["-mavx2"]), ("avx512", ["-mavx512f"])]
+    objects = []
+    for name, extra in variants:
+        obj = out / f"digest_{name}.o"
+        run(["g++", "-x", "c", "-std=c11", "-O2", "-fPIC", *extra, f"-DDIGEST_NAME=sluicegate_xxh3_128_{name}",
+             "-c", str(DIGEST_SOURCE), "-o", str(obj)])  # fmt: skip
+        objects.append(str(obj))
+    return objects
 
 
 def build_front(folder: Path = HERE) -> Path:

@@ -190,6 +190,47 @@ def raw_digest(buffers: Sequence[bytes]) -> str:
 #  logits or None, the version's monitors or None)
 Record = tuple[float, str, str, str, str | None, str | None, int, float, str, str | None, Any, Any, Any]
 
+# One request of a ``LaneBatch``, as the native front end hands it over: (request id or "", input digest or
+# None, rows, perf_counter seconds when it arrived, the caller's traceparent or None).
+LaneRequest = tuple[str, str | None, int, float, str | None]
+
+
+class LaneBatch:
+    """The requests of one native-lane batch that one version answered alike, recorded in one call
+    (``RequestLogger.record_batch``): the lane thread then does nothing per request for the records. The
+    telemetry thread expands it into one line per request, with one confidence computation for the
+    batch's logits and the ids of requests that came without one made there.
+
+    Args:
+        when: Epoch seconds of the answer (every line of the batch carries it).
+        model, version: The version that answered.
+        runtime: The runtime level that ran the batch; None when it was refused.
+        status: The batch's status name ("OK", or the error's code name).
+        requests: The requests, in the order of ``logits``' rows.
+        logits: The first output for exactly these requests' rows, in order; None when refused.
+        monitors: The version's ``VersionMonitors`` (the abnormal flag) or None.
+        late: Position in ``requests`` -> the status its caller saw instead (it stopped waiting), or None.
+        answered: perf_counter seconds of the answer (each request's time taken is from its arrival).
+    """
+
+    __slots__ = ("answered", "late", "logits", "model", "monitors", "requests", "runtime", "status", "version", "when")
+
+    def __init__(
+        self,
+        when: float,
+        model: str,
+        version: str,
+        runtime: str | None,
+        status: str,
+        requests: Sequence[LaneRequest],
+        logits: Any,
+        monitors: Any,
+        late: Mapping[int, str] | None,
+        answered: float,
+    ) -> None:
+        self.when, self.model, self.version, self.runtime, self.status = when, model, version, runtime, status
+        self.requests, self.logits, self.monitors, self.late, self.answered = requests, logits, monitors, late, answered
+
 
 class LineSink:
     """Where request records go: whole JSON lines written to a file descriptor.
@@ -294,10 +335,14 @@ class RequestLogger:
         self.max_pending = max_pending
         self.on_drop = on_drop
         self.gpu_utilization = gpu_utilization
-        # deque: append and popleft are atomic, so request threads never take a lock to record.
-        self._pending: deque[Record] = deque()
+        # Records and lane batches; ``_queued`` counts the requests in them (under ``_count_lock``: the
+        # bound is in requests, and a lane batch holds several).
+        self._pending: deque[Record | LaneBatch] = deque()
+        self._queued = 0
+        self._count_lock = threading.Lock()
         self.dropped = 0
         self._stamps = IsoStamps()  # drain() runs on the telemetry thread only
+        self._new_id = _request_ids()  # likewise
 
     def configure(
         self,
@@ -327,14 +372,25 @@ class RequestLogger:
 
     def record(self, record: Record) -> bool:
         """Queue one request's record (request thread); False when it was dropped (and counted)."""
-        pending = self._pending
-        if len(pending) < self.max_pending:
-            pending.append(record)
-            return True
-        self.dropped += 1
-        if self.on_drop is not None:
-            self.on_drop(1)
-        return False
+        return self._queue(record, 1)
+
+    def record_batch(self, batch: LaneBatch) -> bool:
+        """Queue a lane batch's requests (lane thread), sampled when they are written; False when the
+        queue had no room for all of them, which are then dropped (and counted)."""
+        return self._queue(batch, len(batch.requests))
+
+    def _queue(self, entry: Record | LaneBatch, count: int) -> bool:
+        with self._count_lock:
+            room = self._queued + count <= self.max_pending
+            if room:
+                self._queued += count
+            else:
+                self.dropped += count
+        if room:
+            self._pending.append(entry)
+        elif self.on_drop is not None:
+            self.on_drop(count)
+        return room
 
     def log(
         self,
@@ -382,50 +438,124 @@ class RequestLogger:
         count = len(pending)
         if not count:
             return 0
-        records = [pending.popleft() for _ in range(count)]
-        confidences = _confidences([r[11] for r in records])
+        entries = [pending.popleft() for _ in range(count)]
+        batches = [entry for entry in entries if isinstance(entry, LaneBatch)]
+        singles = [entry for entry in entries if not isinstance(entry, LaneBatch)]
+        with self._count_lock:
+            self._queued -= len(singles) + sum(len(batch.requests) for batch in batches)
         gpu = _finite(self.gpu_utilization()) if self.gpu_utilization is not None else None
-        echo = self.max_echo_chars
-        abnormal: dict[int, bool] = {}
-        lines = []
-        stamp = self._stamps
-        for record, confidence in zip(records, confidences, strict=True):
-            when, request_id, model, version, digest, runtime, rows, seconds, status = record[:9]
-            trace, metadata, logits, monitors = record[9:]
-            if trace is None and metadata and any(key == "traceparent" for key, _ in metadata):
-                from serving.observability.tracing import incoming_trace_id
+        abnormal: dict[int, bool] = {}  # per version's monitors, read once a tick
 
-                trace = incoming_trace_id(metadata)
-            flag = runtime == "rules"
-            row_gpu = gpu
-            if isinstance(logits, _Fixed):
-                flag, row_gpu = logits.abnormal, _finite(logits.gpu)
-            elif monitors is not None and not flag:
-                key = id(monitors)
-                if key not in abnormal:
-                    abnormal[key] = bool(monitors.abnormal)
-                flag = abnormal[key]
-            fields = {
-                "timestamp": stamp(when),
-                "level": "INFO" if status == "OK" else "WARNING",
-                "logger": REQUEST_LOGGER,
-                "message": "inference",
-                "request_id": clip(request_id, echo),
-                "model_name": clip(model, echo),
-                "model_version": clip(version, echo),
-                "input_digest": digest,
-                "runtime": runtime,
-                "batch_size": int(rows),
-                "inference_time_ms": _finite(round(seconds * 1e3, 3)),
-                "output_confidence": confidence,
-                "abnormal_flag": flag,
-                "gpu_utilization": row_gpu,
-                "status": status,
-                "trace_id": trace,
-            }
+        def flagged(runtime: str | None, monitors: Any) -> bool:
+            if runtime == "rules":
+                return True
+            if monitors is None:
+                return False
+            key = id(monitors)
+            if key not in abnormal:
+                abnormal[key] = bool(monitors.abnormal)
+            return abnormal[key]
+
+        lines: list[bytes] = []
+        single_confidences = iter(_confidences([r[11] for r in singles]))
+        batch_confidences = iter(_lane_confidences(batches))
+        for entry in entries:
+            if isinstance(entry, LaneBatch):
+                self._batch_lines(entry, next(batch_confidences), gpu, flagged, lines)
+            else:
+                self._record_line(entry, next(single_confidences), gpu, flagged, lines)
+        if lines:
+            self.sink.write_lines(lines)
+        return len(lines)
+
+    def _record_line(
+        self,
+        record: Record,
+        confidence: float | None,
+        gpu: float | None,
+        flagged: Callable[[str | None, Any], bool],
+        lines: list[bytes],
+    ) -> None:
+        when, request_id, model, version, digest, runtime, rows, seconds, status = record[:9]
+        trace, metadata, logits, monitors = record[9:]
+        if trace is None and metadata:
+            trace = _trace_id(metadata)
+        if isinstance(logits, _Fixed):
+            flag, gpu = logits.abnormal, _finite(logits.gpu)
+        else:
+            flag = flagged(runtime, monitors)
+        echo = self.max_echo_chars
+        fields = {
+            "timestamp": self._stamps(when),
+            "level": "INFO" if status == "OK" else "WARNING",
+            "logger": REQUEST_LOGGER,
+            "message": "inference",
+            "request_id": clip(request_id, echo),
+            "model_name": clip(model, echo),
+            "model_version": clip(version, echo),
+            "input_digest": digest,
+            "runtime": runtime,
+            "batch_size": int(rows),
+            "inference_time_ms": _finite(round(seconds * 1e3, 3)),
+            "output_confidence": confidence,
+            "abnormal_flag": flag,
+            "gpu_utilization": gpu,
+            "status": status,
+            "trace_id": trace,
+        }
+        lines.append(_dumps(fields))
+
+    def _batch_lines(
+        self,
+        batch: LaneBatch,
+        confidences: list[float | None],
+        gpu: float | None,
+        flagged: Callable[[str | None, Any], bool],
+        lines: list[bytes],
+    ) -> None:
+        """The lines of a lane batch's sampled requests: what they share is made once, in one dict copied
+        per request (the same fields, in the same order, as ``_record_line``'s)."""
+        echo, late, every = self.max_echo_chars, batch.late, self._every
+        new_id = self._new_id
+        shared = {
+            "timestamp": self._stamps(batch.when),
+            "level": "INFO" if batch.status == "OK" else "WARNING",
+            "logger": REQUEST_LOGGER,
+            "message": "inference",
+            "request_id": "",
+            "model_name": clip(batch.model, echo),
+            "model_version": clip(batch.version, echo),
+            "input_digest": None,
+            "runtime": batch.runtime if batch.status == "OK" else None,
+            "batch_size": 0,
+            "inference_time_ms": None,
+            "output_confidence": None,
+            "abnormal_flag": flagged(batch.runtime, batch.monitors),
+            "gpu_utilization": gpu,
+            "status": batch.status,
+            "trace_id": None,
+        }
+        answered = batch.answered
+        for index, (request_id, digest, rows, received, traceparent) in enumerate(batch.requests):
+            status = late.get(index, batch.status) if late else batch.status
+            if request_id:
+                if status == "OK" and not every and not self.sampled(request_id):
+                    continue
+            else:
+                request_id = new_id()  # an empty id must not share one sampling decision with the others
+                if status == "OK" and not every and not self.sampled(request_id):
+                    continue
+            fields = shared.copy()
+            fields["request_id"] = clip(request_id, echo)
+            fields["input_digest"] = digest
+            fields["batch_size"] = rows
+            fields["inference_time_ms"] = _finite(round((answered - received) * 1e3, 3))
+            fields["output_confidence"] = confidences[index]
+            if traceparent:
+                fields["trace_id"] = _trace_id((("traceparent", traceparent),))
+            if status != batch.status:  # its caller stopped waiting: counted as what it saw
+                fields.update(level="WARNING", runtime=None, status=status)
             lines.append(_dumps(fields))
-        self.sink.write_lines(lines)
-        return count
 
     def close(self) -> None:
         self.drain()
@@ -452,16 +582,60 @@ def _confidences(logits: list[Any]) -> list[float | None]:
         elif isinstance(value, np.ndarray) and value.ndim == 2 and value.shape[0] and value.shape[1]:
             groups.setdefault(value.shape[1], []).append(index)
     for members in groups.values():
-        parts = [np.asarray(logits[i], dtype=np.float64) for i in members]
-        stacked = np.concatenate(parts)
-        top = stacked.max(axis=1, keepdims=True)
-        with np.errstate(invalid="ignore", over="ignore"):
-            best = 1.0 / np.exp(stacked - top).sum(axis=1)  # the top class's softmax probability per row
-        starts = np.cumsum([0] + [len(p) for p in parts[:-1]])
-        least = np.minimum.reduceat(best, starts)
-        for index, value in zip(members, least.tolist(), strict=True):
-            out[index] = value if math.isfinite(value) else None
+        parts = [logits[i] for i in members]
+        least = _least_confidences(parts, [[len(part)] for part in parts])
+        for index, value in zip(members, least, strict=True):
+            out[index] = value
     return out
+
+
+def _lane_confidences(batches: Sequence[LaneBatch]) -> list[list[float | None]]:
+    """Each lane batch's requests' confidences: the batches whose logits share a class count are stacked
+    and done at once, whatever the number of requests in them."""
+    out: list[list[float | None]] = [[None] * len(batch.requests) for batch in batches]
+    groups: dict[int, list[int]] = {}
+    for index, batch in enumerate(batches):
+        value = batch.logits
+        if (
+            isinstance(value, np.ndarray)
+            and value.ndim == 2
+            and value.shape[1]
+            and value.shape[0] == sum(request[2] for request in batch.requests) > 0
+        ):
+            groups.setdefault(value.shape[1], []).append(index)
+    for members in groups.values():
+        parts = [batches[i].logits for i in members]
+        least = iter(_least_confidences(parts, [[request[2] for request in batches[i].requests] for i in members]))
+        for index in members:
+            out[index] = [next(least) for _ in batches[index].requests]
+    return out
+
+
+def _least_confidences(parts: Sequence[Any], rows: Sequence[Sequence[int]]) -> list[float | None]:
+    """The least top-class softmax probability of each request: ``parts`` are 2-D logits of one class
+    count, ``rows[i]`` the rows of each request in ``parts[i]`` (in order, summing to its length)."""
+    stacked = np.concatenate(parts, dtype=np.float64)  # one conversion, not one per part
+    top = stacked.max(axis=1, keepdims=True)
+    with np.errstate(invalid="ignore", over="ignore"):
+        best = 1.0 / np.exp(stacked - top).sum(axis=1)  # the top class's softmax probability per row
+    counts = [count for part in rows for count in part]
+    starts = np.cumsum([0, *counts[:-1]])
+    least = np.minimum.reduceat(best, starts)
+    return [value if math.isfinite(value) else None for value in least.tolist()]
+
+
+def _request_ids() -> Callable[[], str]:
+    """Ids for requests that came without one, 32 hex digits each, from one ``os.urandom`` call per 256
+    (a ``secrets.token_hex`` per request was a system call per request)."""
+    buffer: list[str] = []
+
+    def new_id() -> str:
+        if not buffer:
+            data = os.urandom(16 * 256).hex()
+            buffer.extend(data[i : i + 32] for i in range(0, len(data), 32))
+        return buffer.pop()
+
+    return new_id
 
 
 class IsoStamps:
@@ -488,6 +662,15 @@ class IsoStamps:
             self._prefix = datetime.fromtimestamp(second, UTC).strftime("%Y-%m-%dT%H:%M:%S")
             self._second = second
         return f"{self._prefix}.{micros:06d}+00:00"
+
+
+def _trace_id(metadata: Any) -> str | None:
+    """The trace id of a caller's ``traceparent`` among ``metadata`` (key, value) pairs, or None."""
+    if not any(key == "traceparent" for key, _ in metadata):
+        return None
+    from serving.observability.tracing import incoming_trace_id
+
+    return incoming_trace_id(metadata)
 
 
 def _dumps(fields: dict[str, Any]) -> bytes:

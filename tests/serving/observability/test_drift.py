@@ -258,6 +258,53 @@ def test_tests_are_spaced_by_min_interval_and_a_due_test_runs_after_it() -> None
         DriftMonitor(baseline(), min_interval_s=-1.0)
 
 
+def test_a_window_of_images_per_interval_is_admitted_spread_over_it() -> None:
+    now = [0.0]
+    monitor = DriftMonitor(baseline(), window=100, min_interval_s=1.0, clock=lambda: now[0])
+    admitted = 0
+    for step in range(400):  # 8 images every 5 ms: 1,600 images/s for two seconds
+        now[0] = step * 0.005
+        admitted += 8 * monitor.admit(8)
+    # The full window at start, then 100 a second: 300 of 3,200, and the rest counted as skipped.
+    assert 290 <= admitted <= 310 and monitor.skipped == 3200 - admitted
+    late = []
+    for step in range(400, 600):
+        now[0] = step * 0.005
+        if monitor.admit(8):
+            late.append(step)
+    gaps = np.diff(late)
+    assert gaps.min() >= 15 and gaps.max() <= 17, "one batch of 8 every 80 ms, not a burst per second"
+    assert monitor.admit(1000) is False  # larger than the window: only when the bucket is full
+    now[0] += 1.0
+    assert monitor.admit(1000) is True
+    every = DriftMonitor(baseline(), window=100)  # no interval: every image (tests drive drift by count)
+    assert all(every.admit(64) for _ in range(100)) and every.skipped == 0
+
+
+def test_monitors_featurize_only_the_admitted_batches_and_see_every_answer() -> None:
+    from serving.observability.entropy import EntropyMonitor
+    from serving.observability.metrics import ServerMetrics
+    from serving.observability.monitors import VersionMonitors
+    from serving.observability.pipeline import TelemetryPipeline
+
+    now = [0.0]
+    drift = DriftMonitor(baseline(), window=50, min_samples=10, min_interval_s=1.0, clock=lambda: now[0])
+    pipeline = TelemetryPipeline()
+    identity = {"colour": "RGB", "mean": [0.0, 0.0, 0.0], "std": [1.0, 1.0, 1.0]}
+    monitors = VersionMonitors(
+        "m", "1", ServerMetrics(), pipeline, entropy=EntropyMonitor(1000, min_rows=10), logits="y",
+        drift=drift, image_input="x", preprocessing=identity,
+    )  # fmt: skip
+    try:
+        for _ in range(20):  # 160 images at one instant: the window's 50 (rounded to whole batches)
+            monitors.on_batch({"x": np.full((8, 3, 4, 4), 0.5, dtype=np.float32)}, {"y": np.zeros((8, 2))})
+        assert pipeline.flush(10)
+    finally:
+        pipeline.close()
+    assert drift.observed == 48 and drift.skipped == 112
+    assert monitors.entropy.state.rows == 160
+
+
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_channel_means_equal_the_float64_mean(dtype: type) -> None:
     rng = np.random.default_rng(5)

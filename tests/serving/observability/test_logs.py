@@ -25,6 +25,7 @@ from serving.observability.logs import (
     REQUEST_LOGGER,
     IsoStamps,
     JsonFormatter,
+    LaneBatch,
     LineSink,
     RequestLogger,
     input_digest,
@@ -136,6 +137,85 @@ def test_server_records_get_their_confidence_from_the_logits_per_tick(sink_path:
     assert {line["trace_id"] for line in by_id.values()} == {TRACEPARENT.split("-")[1]}  # from the metadata
     assert {line["gpu_utilization"] for line in by_id.values()} == {0.25}
     assert by_id["a"]["timestamp"] == "2023-11-14T22:13:20.000000+00:00"
+
+
+def _lane_batch(requests: list[tuple[str, str | None, int, float, str | None]], logits: Any, **kw: Any) -> LaneBatch:
+    values: dict[str, Any] = {
+        "when": 1.7e9,
+        "model": "m",
+        "version": "1",
+        "runtime": "onnxruntime",
+        "status": "OK",
+        "monitors": None,
+        "late": None,
+        "answered": 10.0,
+    }
+    values.update(kw)
+    return LaneBatch(requests=requests, logits=logits, **values)
+
+
+def test_a_lane_batch_writes_the_same_lines_as_one_record_per_request(sink_path: Path) -> None:
+    """A native lane records a batch in one call; each request's line is the one a record would give."""
+    digest = "xxh3-128:" + "1" * 32
+    logits = np.array([[0.0, 0.0, 10.0, 0.0], [0.0, 5.0, 0.0, 0.0], [5.0, 0.0, 0.0, 0.0]], dtype=np.float32)
+    lane = RequestLogger(1.0, sink=LineSink.open(sink_path), gpu_utilization=lambda: 0.5)
+    requests = [("a", digest, 1, 9.998, TRACEPARENT), ("b", digest, 2, 9.9995, None)]
+    assert lane.record_batch(_lane_batch(requests, logits))
+    assert lane.drain() == 2
+    batch_lines = written(sink_path)
+    sink_path.unlink()
+    single = RequestLogger(1.0, sink=LineSink.open(sink_path), gpu_utilization=lambda: 0.5)
+    for (request_id, _, rows, received, traceparent), part in zip(requests, (logits[:1], logits[1:]), strict=True):
+        metadata = (("traceparent", traceparent),) if traceparent else None
+        record = (1.7e9, request_id, "m", "1", digest, "onnxruntime", rows, 10.0 - received, "OK", None, metadata)
+        assert single.record((*record, part, None))
+    single.drain()
+    assert batch_lines == written(sink_path)
+    assert [list(line) for line in batch_lines] == [[*ENVELOPE, *REQUEST_FIELDS]] * 2
+    assert batch_lines[0]["inference_time_ms"] == 2.0 and batch_lines[0]["trace_id"] == TRACEPARENT.split("-")[1]
+    assert batch_lines[1]["output_confidence"] == pytest.approx(1 / (1 + 3 * math.exp(-5)))  # its least sure row
+
+
+def test_a_lane_batch_names_late_callers_makes_missing_ids_and_samples_per_request(sink_path: Path) -> None:
+    logits = np.zeros((40, 2), dtype=np.float32)
+    requests = [(f"id-{i}" if i % 2 else "", None, 1, 9.0, None) for i in range(40)]
+    sampler = RequestLogger(0.5, sink=LineSink.open(sink_path))
+    assert sampler.record_batch(_lane_batch(requests, logits, late={0: "DEADLINE_EXCEEDED", 3: "CANCELLED"}))
+    sampler.close()
+    logged = {line["request_id"]: line for line in written(sink_path)}
+    late = [line for line in logged.values() if line["status"] != "OK"]
+    # The late callers are always written (not OK), as what they saw, and nothing ran for them.
+    assert sorted(line["status"] for line in late) == ["CANCELLED", "DEADLINE_EXCEEDED"]
+    assert all(line["level"] == "WARNING" and line["runtime"] is None for line in late)
+    assert logged["id-3"]["status"] == "CANCELLED"
+    kept = [f"id-{i}" for i in range(1, 40, 2) if i == 3 or RequestLogger(0.5).sampled(f"id-{i}")]
+    assert sorted(i for i in logged if i.startswith("id-")) == sorted(kept)
+    made = [i for i in logged if not i.startswith("id-")]  # ids made for the requests that sent none
+    assert made and len(set(made)) == len(made) and all(len(i) == 32 and int(i, 16) >= 0 for i in made)
+    assert all(line["output_confidence"] == 0.5 for line in logged.values())
+
+
+def test_a_lane_batch_counts_against_the_bound_by_its_requests(sink_path: Path) -> None:
+    counted: list[int] = []
+    requests = RequestLogger(1.0, sink=LineSink.open(sink_path), max_pending=5, on_drop=counted.append)
+    three = [(f"r{i}", None, 1, 9.0, None) for i in range(3)]
+    assert requests.record_batch(_lane_batch(three, np.zeros((3, 2))))
+    assert not requests.record_batch(_lane_batch(three, np.zeros((3, 2))))  # 6 > 5: the whole batch
+    assert requests.log(**fields(request_id="single"))
+    assert counted == [3] and requests.dropped == 3
+    requests.drain()
+    assert requests.record_batch(_lane_batch(three, np.zeros((3, 2))))  # room again once drained
+    requests.close()
+    assert [line["request_id"] for line in written(sink_path)] == ["r0", "r1", "r2", "single", "r0", "r1", "r2"]
+
+
+def test_a_refused_lane_batch_is_written_without_outputs(sink_path: Path) -> None:
+    requests = RequestLogger(0.0, sink=LineSink.open(sink_path))
+    refused = _lane_batch([("x", None, 2, 9.5, None)], None, runtime=None, status="RESOURCE_EXHAUSTED")
+    assert requests.record_batch(refused)
+    requests.close()
+    (line,) = written(sink_path)
+    assert line["status"] == "RESOURCE_EXHAUSTED" and line["output_confidence"] is None and line["batch_size"] == 2
 
 
 def test_sampling_rate_is_respected_and_deterministic_per_request() -> None:
