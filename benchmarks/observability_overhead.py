@@ -11,7 +11,7 @@ The three configurations, each a fresh ``python -m serving`` on core 1 (client o
 - ``sampled``: as ``on`` with ``SLUICEGATE_SERVING__LOG_SAMPLE_RATE=0.1``.
 
 Points: small c=32 and medium c=32 (closed loop, ``v2load.py``). The VM's speed drifts by ±20% over
-minutes, so the configurations are interleaved (off, on, sampled, off, on, sampled, ...) and the cost,
+minutes, so the configurations are interleaved (off, on, sampled, sampled, on, off, ...) and the cost,
 ``1 - on/off``, is computed within each round and then the median taken. The server's CPU per request
 is its utime + stime (/proc/PID/stat) over the point, after waiting for the server to go idle (work
 queued for the telemetry thread is done after the client stops), divided by the requests the server
@@ -24,7 +24,7 @@ work not paid for; at the defaults none may be dropped (every request must be fi
 ``sluicegate lineage``). Target (issue 19): ``on``/``off`` infer/s at least 0.90 (a cost of at most 10%)
 at both points; the ``sampled`` ratio is information.
 
-    .venv/bin/python -m benchmarks.observability_overhead            # 3 rounds x 8 s per point (several minutes)
+    .venv/bin/python -m benchmarks.observability_overhead            # 4 rounds x 8 s per point (~5 minutes)
     .venv/bin/python -m benchmarks.observability_overhead --quick    # 1 round x 4 s (~1 min)
 """
 
@@ -258,14 +258,14 @@ def markdown(samples: list[Sample], notes: dict[str, Any]) -> str:
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rounds", type=int, help="rounds of off, on, sampled (3; --quick: 1)")
+    parser.add_argument("--rounds", type=int, help="rounds of off, on, sampled, reversed every other (4; --quick: 1)")
     parser.add_argument("--duration", type=float, help="seconds per point (8, or SLUICEGATE_BENCH_SECONDS; --quick: 4)")
     parser.add_argument("--warmup", type=float, help="seconds of warm-up per point (2; --quick: 1)")
     parser.add_argument("--quick", action="store_true", help="1 round x 4 s: a smoke run")
     parser.add_argument("--bench-dir", type=Path, default=default_bench_dir(), help="the shared harness")
     parser.add_argument("--out", type=Path, default=Path("bench-results/observability_overhead.json"))
     quick = {"rounds": 1, "duration": 4.0, "warmup": 1.0}
-    return fill_defaults(parser.parse_args(), quick, {"rounds": 3, "duration": 8.0, "warmup": 2.0})
+    return fill_defaults(parser.parse_args(), quick, {"rounds": 4, "duration": 8.0, "warmup": 2.0})
 
 
 def main() -> None:
@@ -281,7 +281,11 @@ def main() -> None:
     try:
         repo = build_repository(args.bench_dir, work, MAX_BATCH)
         for round_ in range(args.rounds):
-            for config in CONFIGS:  # interleaved: each round sees every configuration minutes apart at most
+            # Interleaved, each round sees every configuration minutes apart at most, and in reverse
+            # order every other round: with a fixed order, the VM slowing down over a round favoured the
+            # configuration measured first (off) in every round (a clean-clone run: off 3,375 / 3,226 /
+            # 3,063 infer/s in its three rounds, on 2,995 / 2,881 / 2,833, sampled 3,015 / 2,863 / 2,994).
+            for config in CONFIGS if round_ % 2 == 0 else reversed(CONFIGS):
                 found, server_log, lines = measure(config, round_, repo, work, (server_cpu, client_cpu), args)
                 samples += found
                 written.append(server_log)
@@ -295,6 +299,7 @@ def main() -> None:
         "server code": revision(),
         "other processes' CPU during the run": f"{busy:.2f} cores on average",
         "cost": "1 - infer/s / off's infer/s in the same round, then the median over rounds",
+        "order": "off, on, sampled; reversed in every other round",
         "server CPU": "utime+stime over the point and the idle wait after it / the requests the server counted "
         "in that span (its /metrics); (+n): more than off",
         "request-log lines written / requests served, per server": {
