@@ -1,8 +1,8 @@
 /* XXH3-128 (seed 0) of buffers one after another, for serving/native/digest.h. Compiled once per
  * instruction set (build.py: SSE2 or the platform's baseline, and on x86-64 also AVX2 and AVX-512), each
  * copy under its own name from DIGEST_NAME; digest.h picks one at run time. XXH3 is the same function on
- * every path (xxHash guarantees it), only its speed differs: 48 KiB took 2.7 us with SSE2, 1.3 with AVX2
- * and 1.0 with AVX-512 on the benchmark VM. Plain C with xxHash inlined and nothing else, so no code built
+ * every path (xxHash guarantees it), only its speed differs: 48 KiB took 2.4-2.7 us with SSE2, 1.3 with AVX2
+ * and 1.0-1.2 with AVX-512 on the benchmark VM. Plain C with xxHash inlined and nothing else, so no code built
  * for a wider instruction set can be shared with (and picked by the linker for) the rest of the module. */
 #define XXH_INLINE_ALL
 #include <string.h>
