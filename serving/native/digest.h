@@ -33,31 +33,14 @@ inline DigestFn pick_digest() {
 template <typename Buffers>
 std::string input_digest(const Buffers& buffers) {
   static const DigestFn digest = pick_digest();  // thread-safe, once
-  const void* one_data[1];
-  size_t one_size[1];
-  std::vector<const void*> many_data;
-  std::vector<size_t> many_size;
-  const void* const* data = one_data;
-  const size_t* sizes = one_size;
-  size_t count = 0;
+  std::vector<const void*> data;
+  std::vector<size_t> sizes;
   for (const auto& buffer : buffers) {
-    if (count == 0) {
-      one_data[0] = buffer.data();
-      one_size[0] = buffer.size();
-    } else {
-      if (count == 1) {
-        many_data.assign(one_data, one_data + 1);
-        many_size.assign(one_size, one_size + 1);
-      }
-      many_data.push_back(buffer.data());
-      many_size.push_back(buffer.size());
-      data = many_data.data();
-      sizes = many_size.data();
-    }
-    ++count;
+    data.push_back(buffer.data());
+    sizes.push_back(buffer.size());
   }
   unsigned char raw[16];
-  digest(data, sizes, count, raw);
+  digest(data.data(), sizes.data(), data.size(), raw);
   static const char kHex[] = "0123456789abcdef";
   std::string out = "xxh3-128:";
   for (unsigned char byte : raw) {

@@ -538,13 +538,9 @@ class RequestLogger:
         answered = batch.answered
         for index, (request_id, digest, rows, received, traceparent) in enumerate(batch.requests):
             status = late.get(index, batch.status) if late else batch.status
-            if request_id:
-                if status == "OK" and not every and not self.sampled(request_id):
-                    continue
-            else:
-                request_id = new_id()  # an empty id must not share one sampling decision with the others
-                if status == "OK" and not every and not self.sampled(request_id):
-                    continue
+            request_id = request_id or new_id()  # an empty id must not share one sampling decision
+            if status == "OK" and not every and not self.sampled(request_id):
+                continue
             fields = shared.copy()
             fields["request_id"] = clip(request_id, echo)
             fields["input_digest"] = digest

@@ -87,14 +87,10 @@ class VersionMonitors:
     def on_batch(self, inputs: Mapping[str, Array], outputs: Mapping[str, Array]) -> None:
         """The batcher's ``on_outputs`` hook (worker thread): the batch's plane means, held with its
         outputs for the next drain."""
-        if len(self._waiting) >= self.max_waiting:  # a hint without the lock; checked again under it
-            self.metrics.dropped("batch")
-            return
         planes = None
-        if self._spec is not None and self.image_input is not None and self.image_input in inputs:
-            images = inputs[self.image_input]
-            if self.drift is not None and self.drift.admit(len(images)):
-                planes = _planes(images, self._spec)
+        drift, image = self.drift, inputs.get(self.image_input) if self.image_input is not None else None
+        if drift is not None and self._spec is not None and image is not None and drift.admit(len(image)):
+            planes = _planes(image, self._spec)
         with self._lock:
             if len(self._waiting) >= self.max_waiting:
                 self.metrics.dropped("batch")
