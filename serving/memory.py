@@ -57,19 +57,29 @@ class TrimPolicy:
     every tick for ``eager_tries`` tries, then with doubling back-off (a server that really grew pays
     little), and only after ``accept_after_s`` of high readings is the higher RSS taken as the working set
     (a model loaded later).
+
+    A busy process (at least ``busy_cpu_share`` of a core over the last tick) is trimmed at most once per
+    ``busy_interval_s``: under steady traffic the RSS swings by the requests in flight, every trim was
+    "productive", and the next requests faulted the pages straight back in (medium model at c=32: ~40 minor
+    faults per request from the trimmer alone, against ~6 without it). What a burst leaves is given back at
+    the first quiet tick.
     """
 
     growth_bytes: int = 8 << 20
     tick_s: float = 2.0
     eager_tries: int = 8
     accept_after_s: float = 120.0
+    busy_cpu_share: float = 0.25
+    busy_interval_s: float = 30.0
     floor: int | None = None
     high_since: float | None = None
     tries: int = 0
     next_try_at: float = 0.0
+    last_trim_at: float | None = None
 
-    def due(self, rss: int, now: float) -> bool:
-        """Whether to trim now, given this tick's RSS."""
+    def due(self, rss: int, now: float, cpu_share: float = 0.0) -> bool:
+        """Whether to trim now, given this tick's RSS and the share of a core the process used since the
+        last tick."""
         if self.floor is None or rss < self.floor:
             self.floor = rss
         if rss <= self.floor + self.growth_bytes:
@@ -81,11 +91,15 @@ class TrimPolicy:
             self.floor = rss
             self._settle()
             return False
-        return now >= self.next_try_at
+        if now < self.next_try_at:
+            return False
+        busy = cpu_share >= self.busy_cpu_share
+        return not (busy and self.last_trim_at is not None and now - self.last_trim_at < self.busy_interval_s)
 
     def trimmed(self, rss_after: int, now: float) -> None:
         """Record what a trim left: settled when it came back near the floor, else schedule a retry."""
         assert self.floor is not None, "trimmed() before due()"
+        self.last_trim_at = now
         if rss_after <= self.floor + self.growth_bytes:
             self.floor = min(self.floor, rss_after)
             self._settle()
@@ -126,11 +140,15 @@ def start_trimmer(interval_s: float = 2.0, growth_bytes: int = 8 << 20) -> bool:
     policy = TrimPolicy(growth_bytes=growth_bytes, tick_s=interval_s)
 
     def run() -> None:
+        wall, cpu = time.monotonic(), time.process_time()
         while True:
-            if policy.due(rss(), time.monotonic()):
+            time.sleep(interval_s)
+            now, used = time.monotonic(), time.process_time()
+            share = (used - cpu) / max(now - wall, 1e-3)
+            wall, cpu = now, used
+            if policy.due(rss(), now, share):
                 trim(0)
                 policy.trimmed(rss(), time.monotonic())
-            time.sleep(interval_s)
 
     threading.Thread(target=run, name="malloc-trim", daemon=True).start()
     return True

@@ -188,8 +188,10 @@ class NativePort:
 
     def _serve(self, lane: _Lane) -> None:
         take, front = self._native.take, self._front
-        while (got := take(front, lane.id)) is not None:
+        spares: list[Any] = [None] * len(lane.spec.inputs)  # take()'s reusable batch buffers, one per input
+        while (got := take(front, lane.id, spares)) is not None:
             batch, arrays, items, gone = got
+            del got  # with `arrays` (below): take() reuses a spare only when no view of it is left
             try:
                 if gone:
                     self._gone(lane, gone)
@@ -204,6 +206,8 @@ class NativePort:
                     # Those a version's batcher thread answers at this moment were claimed under the GIL
                     # (front.cc answer()): refuse() skips them.
                     self._native.refuse(batch, range(len(items)), INTERNAL, INTERNAL_DETAILS)
+            finally:
+                del arrays
 
     def _gone(self, lane: _Lane, gone: list[tuple[str, str, int, float]]) -> None:
         """Requests whose callers stopped waiting before their batch ran: counted, recorded, never run."""

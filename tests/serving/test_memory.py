@@ -49,3 +49,22 @@ def test_unproductive_trims_back_off_and_a_lasting_rise_becomes_the_floor() -> N
     assert len(trims) < 10, f"a server that really grew pays few trims: {trims}"
     assert policy.floor == 300 * MiB, "after accept_after_s of high readings the new RSS is the working set"
     assert not policy.due(302 * MiB, now)
+
+
+def test_a_busy_process_is_trimmed_at_most_once_per_busy_interval_and_at_once_when_quiet() -> None:
+    """Under steady traffic the RSS swings by the requests in flight: trimming every tick gave pages back
+    that the next requests faulted straight in again."""
+    policy = TrimPolicy(growth_bytes=8 * MiB, tick_s=2.0, busy_cpu_share=0.25, busy_interval_s=30.0)
+    policy.due(100 * MiB, 0.0)
+    trims = []
+    now = 2.0
+    while now < 64.0:
+        high = 100 * MiB + (40 * MiB if int(now) % 4 == 2 else 20 * MiB)  # requests in flight
+        if policy.due(high, now, cpu_share=0.9):
+            trims.append(now)
+            policy.trimmed(105 * MiB, now)  # productive: what was in flight is freed at that moment
+        now += 2.0
+    assert trims == [2.0, 32.0, 62.0], trims
+    # The traffic stops with memory left over: the first quiet tick trims it.
+    assert not policy.due(140 * MiB, 64.0, cpu_share=0.9)
+    assert policy.due(140 * MiB, 66.0, cpu_share=0.01)

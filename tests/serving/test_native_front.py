@@ -14,6 +14,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import grpc
 import numpy as np
@@ -123,6 +124,97 @@ def test_any_other_form_is_passed_to_grpcio_and_answers_the_same(
     assert (fast - fast_before, proxied - proxied_before) == (0, 1)
     got = np.asarray(answer.outputs[0].contents.fp32_contents, dtype=np.float32).reshape(tuple(answer.outputs[0].shape))
     np.testing.assert_allclose(got, logits(raw), rtol=1e-6, atol=1e-6)
+
+
+def varint(value: int) -> bytes:
+    out = bytearray()
+    while value > 0x7F:
+        out.append(value & 0x7F | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def raw_infer(server: RunningServer, wire: bytes) -> pb.ModelInferResponse:
+    """A ModelInfer whose message bytes are sent as given (no serializer)."""
+    channel = grpc.insecure_channel(f"127.0.0.1:{server.grpc_port}")
+    try:
+        call = channel.unary_unary(
+            "/inference.GRPCInferenceService/ModelInfer", response_deserializer=pb.ModelInferResponse.FromString
+        )
+        return call(wire, timeout=30)
+    finally:
+        channel.close()
+
+
+def test_a_request_whose_fields_come_in_any_order_takes_the_lane_as_protobuf_reads_it(
+    server: RunningServer, front: NativePort, repo: Path
+) -> None:
+    """The lane reads raw_input_contents where grpc received them and hands every other field to protobuf:
+    inputs before the header, a field given twice (the last wins), an unknown field, an input large enough
+    to arrive in several slices."""
+    x = batch(8, seed=31)
+    head = pb.ModelInferRequest(model_name=MODEL, model_version="1", id="any-order")
+    head.inputs.add(name="input", datatype="FP32", shape=list(x.shape))
+    wire = pb.ModelInferRequest(raw_input_contents=[x.tobytes()]).SerializeToString()
+    wire += pb.ModelInferRequest(model_name="decoy", id="first").SerializeToString()
+    wire += head.SerializeToString() + varint(99 << 3) + varint(5)  # field 99, a varint nobody defines
+    assert pb.ModelInferRequest.FromString(wire).model_name == MODEL
+    fast_before, proxied_before = front.counts()
+    answer = raw_infer(server, wire)
+    assert front.counts() == (fast_before + 1, proxied_before)
+    assert (answer.model_name, answer.model_version, answer.id) == (MODEL, "1", "any-order")
+    np.testing.assert_allclose(logits(answer), reference(repo, "1", x), rtol=1e-5, atol=1e-5)
+
+
+def test_a_lane_reuses_its_batch_buffer_only_when_no_earlier_batch_is_held(
+    front: NativePort, stub: grpc_service_pb2_grpc.GRPCInferenceServiceStub, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    seen: list[tuple[int, np.ndarray | None]] = []  # (buffer address, the array when held)
+    hold = False
+    run_batch = front._batch
+
+    def spy(lane: Any, batch: Any, arrays: list[np.ndarray], items: list[Any]) -> None:
+        address = arrays[0].__array_interface__["data"][0]
+        seen.append((address, arrays[0] if hold else None))
+        run_batch(lane, batch, arrays, items)
+
+    monkeypatch.setattr(front, "_batch", spy)
+    inputs = [batch(2, seed=400 + k) for k in range(8)]
+    for x in inputs[:4]:  # one at a time: each is a batch of its own
+        stub.ModelInfer(raw_request(x, version="1"))
+    assert len({address for address, _ in seen}) == 1, "nothing held the last batch: its buffer is reused"
+    hold, seen[:] = True, []
+    for x in inputs[4:]:
+        stub.ModelInfer(raw_request(x, version="1"))
+    assert len({address for address, _ in seen}) == len(seen), "a held batch's buffer is never written again"
+    for (_, held), x in zip(seen, inputs[4:], strict=True):
+        np.testing.assert_array_equal(held, x)
+
+
+@pytest.mark.parametrize(
+    "tail",
+    [
+        varint(7 << 3) + varint(1),  # raw_input_contents sent as a varint: protobuf keeps it as unknown
+        varint(7 << 3 | 2) + varint(65535) + b"abc",  # a length past the end of the message
+        varint(7 << 3 | 3) + varint(7 << 3 | 4),  # a group, which this message never has
+    ],
+    ids=["wrong-wire-type", "truncated", "group"],
+)
+def test_a_request_the_lane_cannot_read_goes_to_the_grpcio_server(
+    server: RunningServer, front: NativePort, tail: bytes
+) -> None:
+    x = batch(1, seed=32)
+    wire = raw_request(x, version="1").SerializeToString() + tail
+    fast_before, proxied_before = front.counts()
+    try:
+        answer = raw_infer(server, wire)  # what the grpcio server makes of it, whatever that is
+    except grpc.RpcError as refused:
+        assert refused.code() != grpc.StatusCode.OK
+    else:
+        assert answer.model_name == MODEL
+    assert front.counts() == (fast_before, proxied_before + 1)
+    assert raw_infer(server, raw_request(x, version="1").SerializeToString()).model_name == MODEL  # still serving
 
 
 @pytest.mark.parametrize(
