@@ -80,6 +80,7 @@ class InferenceServicer(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
             max_pending=settings.telemetry_max_pending,
             on_drop=metrics.records_dropped.inc,
             gpu_utilization=metrics.gpu.utilization,
+            on_queued=self.pipeline.poke,
         )
         self.pipeline.every_tick("records", request_log.drain)
 

@@ -386,6 +386,16 @@ def test_a_timed_flush_handler_batches_writes_but_never_holds_a_line_long() -> N
         assert written and '"line 49"' in written[-1]  # the timer pushed the tail out
         logger.warning("careful")
         assert '"careful"' in written[-1]  # warnings are never held back
+        # Quiet: the timer sleeps until the next record instead of flushing every interval.
+        time.sleep(0.5)  # its last flush of the warning, if any
+        quiet = len(written)
+        time.sleep(1.0)
+        assert len(written) == quiet, "an idle handler's timer must not tick"
+        logger.info("after the quiet spell")
+        deadline = time.monotonic() + 5
+        while '"after the quiet spell"' not in written[-1] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert '"after the quiet spell"' in written[-1]
     finally:
         logger.removeHandler(handler)
         handler.close()

@@ -6,6 +6,7 @@ are monitored together, row for row."""
 from __future__ import annotations
 
 import threading
+import time
 from collections import Counter
 from typing import Any
 
@@ -63,6 +64,31 @@ def test_tick_hooks_run_on_the_thread_and_flush_waits_for_them() -> None:
         queued.append(5)
         assert pipeline.flush(10)
         assert [i for i, _ in drained] == list(range(6)) and failures >= 2
+    finally:
+        pipeline.close()
+
+
+def test_an_idle_pipeline_does_not_tick_and_a_poke_wakes_it_within_a_tick() -> None:
+    """Ticks only when there is work: an idle server's telemetry thread sleeps."""
+    pipeline = TelemetryPipeline(interval_s=0.02)
+    ticks: list[float] = []
+    try:
+        pipeline.every_tick("records", lambda: ticks.append(time.monotonic()))
+        time.sleep(0.5)  # 25 ticks' worth
+        assert ticks == []
+        poked = time.monotonic()
+        pipeline.poke()
+        deadline = poked + 5
+        while not ticks and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert len(ticks) == 1 and ticks[0] - poked < 2.0
+        assert pipeline.submit("call", lambda: None)  # a submitted call wakes it too
+        deadline = time.monotonic() + 5
+        while len(ticks) < 2 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert len(ticks) == 2
+        time.sleep(0.3)
+        assert len(ticks) == 2, "no work: no more ticks"
     finally:
         pipeline.close()
 
