@@ -52,7 +52,7 @@ LINGER_S = 2.0  # nginx's lingering_timeout is 5 s; a client that reads its answ
 LINGER_BYTES = 8 << 20
 
 
-class _QuietServer(uvicorn.Server):
+class QuietServer(uvicorn.Server):
     """uvicorn's server with its housekeeping tick (the Date header, the exit check) once a second instead
     of ten times: an idle side port cost 0.25 % of a core, and under load each tick preempts the inference
     thread. ``exit_soon()`` wakes the loop at once, so stopping is no slower than uvicorn's own tick.
@@ -217,7 +217,7 @@ class SidePort:
             timeout_graceful_shutdown=max(1, round(settings.drain_timeout_s)),
             **tls,
         )
-        self.server = _QuietServer(config)
+        self.server = QuietServer(config)
         self._thread = threading.Thread(target=self._run, name="http-side-port", daemon=True)
         self._failure: BaseException | None = None
 

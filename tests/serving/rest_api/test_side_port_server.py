@@ -1,4 +1,4 @@
-"""The side port's uvicorn server (serving/rest_api/side_port.py ``_QuietServer``): housekeeping once a second
+"""The side port's uvicorn server (serving/rest_api/side_port.py ``QuietServer``): housekeeping once a second
 instead of ten times, the Date header still set, and a stop that does not wait for the next tick."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Any
 import httpx
 import uvicorn
 
-from serving.rest_api.side_port import _QuietServer
+from serving.rest_api.side_port import QuietServer
 
 
 async def hello(scope: dict[str, Any], receive: Any, send: Any) -> None:
@@ -25,7 +25,7 @@ def test_the_quiet_server_serves_with_a_date_and_stops_without_waiting_for_its_t
     listener.bind(("127.0.0.1", 0))
     listener.listen()
     port = listener.getsockname()[1]
-    server = _QuietServer(uvicorn.Config(hello, lifespan="off", log_config=None, access_log=False))
+    server = QuietServer(uvicorn.Config(hello, lifespan="off", log_config=None, access_log=False))
     server.TICK_S = 60.0  # a stop that waited for the tick would take a minute
     thread = threading.Thread(target=server.run, kwargs={"sockets": [listener]}, daemon=True)
     thread.start()
