@@ -138,22 +138,21 @@ bool SplitRequest(const grpc::ByteBuffer& buffer, ModelInferRequest* request, st
                   std::vector<RawInput>* raws) {
   if (!buffer.Dump(slices).ok() || slices->size() > kMaxSlices) return false;
   SliceCursor in(*slices);
-  std::string rest, tag_bytes, length_bytes;
+  std::string rest, head;  // head: a field's tag bytes (and field 7's length), passed to protobuf but for field 7
   auto keep = [&rest](std::string_view piece) { rest.append(piece.data(), piece.size()); };
   while (!in.done()) {
     uint64_t tag, length, ignored;
-    tag_bytes.clear();
-    if (!ReadVarint(in, &tag, &tag_bytes) || tag > UINT32_MAX || (tag >> 3) == 0) return false;
+    head.clear();
+    if (!ReadVarint(in, &tag, &head) || tag > UINT32_MAX || (tag >> 3) == 0) return false;
     const uint64_t wire = tag & 7;
     if ((tag >> 3) == kRawInputContents) {
-      length_bytes.clear();
-      if (wire != 2 || !ReadVarint(in, &length, &length_bytes) || length > INT32_MAX) return false;
+      if (wire != 2 || !ReadVarint(in, &length, &head) || length > INT32_MAX) return false;
       RawInput& raw = raws->emplace_back();
       raw.size = static_cast<size_t>(length);
       if (!in.Take(length, [&raw](std::string_view piece) { raw.pieces.push_back(piece); })) return false;
       continue;
     }
-    rest += tag_bytes;
+    rest += head;
     switch (wire) {
       case 0:
         if (!ReadVarint(in, &ignored, &rest)) return false;
@@ -848,7 +847,7 @@ PyObject* take(PyObject*, PyObject* args) {
       for (std::string_view piece : item.raws[i].pieces) {
         std::memcpy(dst[i], piece.data(), piece.size());
         dst[i] += piece.size();
-        pieces.push_back(piece);
+        if (record) pieces.push_back(piece);
       }
     }
     if (record) digests[k] = sluicegate::input_digest(pieces);  // the inputs one after another, as before
