@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from serving.dataplane import DataPlane
+from serving.scheduling import apply_cpu_policy
 from serving.settings import ServingSettings
 
 if TYPE_CHECKING:
@@ -260,6 +261,10 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     index = args.pop("worker", None)
     settings = ServingSettings(**args)
+    # Before the gRPC, ONNX Runtime and telemetry threads exist, so they inherit it; a supervisor's workers
+    # inherit it through exec as well. Only here: start() also runs inside test and embedding processes,
+    # whose threads are not ours to change.
+    apply_cpu_policy(settings.cpu_policy)
     role = None
     if index is None:
         from serving.cpus import usable_cpus

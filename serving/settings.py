@@ -48,6 +48,12 @@ class ServingSettings(BaseSettings):
         "the grpcio server on a private socket) where it is built (make install), else grpcio alone. on: "
         "refuse to start without it. off: grpcio alone.",
     )
+    cpu_policy: Literal["batch", "normal"] = Field(
+        "batch",
+        description="Linux scheduling policy of the server's threads (serving/scheduling.py). batch: SCHED_BATCH, "
+        "the same fair share but a waking thread does not preempt the one running inference (more throughput, "
+        "no privilege needed). normal: the kernel's default, SCHED_OTHER.",
+    )
     grpc_workers: int = Field(
         64, ge=1, description="gRPC handler threads; above the expected concurrency so batches can form."
     )

@@ -25,6 +25,7 @@ from serving.cpus import cgroup_quota, parse_cpu_max, usable_cpus
 from serving.proto import admin_pb2, admin_pb2_grpc
 from serving.proto import grpc_service_pb2 as pb
 from serving.proto import grpc_service_pb2_grpc as pb_grpc
+from serving.scheduling import thread_policies
 from tests.fixtures.models import resnet, write_model_version
 from tests.serving.conftest import batch
 from tests.serving.process import ROOT, ServerProcess
@@ -243,6 +244,17 @@ def test_a_port_another_server_listens_on_is_refused(small_repo: Path, tmp_path:
         )
     assert done.returncode != 0
     assert f"127.0.0.1:{port} is already served by another process" in done.stderr
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="SCHED_BATCH is Linux's")
+def test_supervisor_and_workers_run_every_thread_with_the_batch_policy(server: ServerProcess) -> None:
+    """The default ``cpu_policy``: chosen in main() before any thread starts, inherited by the workers."""
+    processes = [server.ps, *server.ps.children(recursive=True)]
+    assert len(processes) == 3  # the supervisor and its two workers
+    for process in processes:
+        policies = thread_policies(Path(f"/proc/{process.pid}/task"))
+        assert len(policies) >= (1 if process is server.ps else 10)  # a worker: gRPC, ORT, telemetry threads
+        assert set(policies.values()) == {os.SCHED_BATCH}, (process.pid, policies)
 
 
 def test_cpu_count_follows_the_cgroup_quota(tmp_path: Path) -> None:
