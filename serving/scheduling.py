@@ -3,13 +3,15 @@
 Linux's default policy (SCHED_OTHER) lets a thread that wakes up preempt the one running when it has
 waited longer: every time a gRPC poller, the telemetry thread or the batcher's timer wakes, it takes the
 core from the thread inside ONNX Runtime's kernels and hands it back a few microseconds later with cold
-caches. Measured on the medium model at c=32 with the server on one core: about 230 such preemptions
-per second of the inference thread. SCHED_BATCH ("this is a throughput task") keeps the same fair share
-and nice levels but does not preempt on wake-up: the waking thread runs at the next tick or when the
-running one blocks, which for a request is tens of microseconds later at most. Same load: about 37
-preemptions per second, medium c=32 from ~96% to ~99% of ONNX Runtime's own limit and small c=32 +14%
-throughput, small c=1 p50 no worse (benchmarks/README.md). No privilege is needed to choose it (unlike
-the real-time policies) and threads started later inherit it."""
+caches. With the server on one core at medium c=32 that is about 230 preemptions per second of the
+inference thread. SCHED_BATCH ("this is a throughput task") keeps the same fair share and nice levels but
+does not preempt on wake-up: the woken thread runs when the running one blocks or its slice ends (a few
+milliseconds at most; a small-model batch blocks long before that). Same load: about 37 per second.
+
+Measured (benchmarks/README.md, "CPU policy"), rounds interleaved, server on one core: small c=32 +10%
+throughput (higher in 6 of 6 rounds), medium c=32 unchanged (94.6% vs 94.9% of ONNX Runtime's own limit
+over 8 rounds of 20 s: its 175 ms kernels are long enough that the wake-ups cost little either way). No
+privilege is needed to choose it (unlike the real-time policies) and threads started later inherit it."""
 
 from __future__ import annotations
 
