@@ -11,6 +11,7 @@ from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from serving.errors import ECHO_CHARS
+from serving.scheduling import CpuPolicy
 
 MIB = 1024 * 1024
 
@@ -48,7 +49,7 @@ class ServingSettings(BaseSettings):
         "the grpcio server on a private socket) where it is built (make install), else grpcio alone. on: "
         "refuse to start without it. off: grpcio alone.",
     )
-    cpu_policy: Literal["batch", "normal"] = Field(
+    cpu_policy: CpuPolicy = Field(
         "batch",
         description="Linux scheduling policy of the server's threads (serving/scheduling.py). batch: SCHED_BATCH, "
         "the same fair share but a waking thread does not preempt the one running inference (more throughput, "

@@ -9,8 +9,6 @@ import os
 import subprocess
 import sys
 
-import pytest
-
 from tests.serving.process import ROOT
 
 SCRIPT = """
@@ -31,7 +29,6 @@ print(json.dumps(report))
 """
 
 
-@pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="SCHED_BATCH is Linux's")
 def test_every_thread_takes_the_policy_and_new_threads_inherit_it() -> None:
     done = subprocess.run([sys.executable, "-c", SCRIPT], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr

@@ -246,7 +246,6 @@ def test_a_port_another_server_listens_on_is_refused(small_repo: Path, tmp_path:
     assert f"127.0.0.1:{port} is already served by another process" in done.stderr
 
 
-@pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="SCHED_BATCH is Linux's")
 def test_supervisor_and_workers_run_every_thread_with_the_batch_policy(server: ServerProcess) -> None:
     """The default ``cpu_policy``: chosen in main() before any thread starts, inherited by the workers."""
     processes = [server.ps, *server.ps.children(recursive=True)]
