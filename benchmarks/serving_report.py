@@ -4,6 +4,12 @@ the targets, the markdown tables and the ``--out`` summary.
 Every target is a ratio within one repeat (the servers of a repeat are measured minutes apart, so they
 share that repeat's machine speed), then the median over repeats. The VM's speed moves by ±20% between
 runs, so no absolute figure is judged.
+
+The medium target is judged from interleaved pairs where a run has them (``Repeat.medium_pairs``): ours and
+the in-process limit back to back, a few seconds apart, several times. ORT's time per medium batch drifts by
+5-10% within a minute on this kind of VM, more than the 3% the target leaves, and a repeat measures the
+limit once, minutes away from ours: two repeats gave 96.9% and 100.8% in one run while 8 interleaved
+rounds of the same code gave a median of 94.6% (benchmarks/README.md, "CPU policy").
 """
 
 from __future__ import annotations
@@ -64,6 +70,8 @@ class Repeat:
 
     rows: dict[str, Row] = field(default_factory=dict)
     cores: dict[str, dict[int, Point]] = field(default_factory=dict)
+    # (ours, limit) medium c=32 infer/s, each pair measured back to back (serving_throughput.medium_pairs)
+    medium_pairs: list[tuple[float, float]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -94,8 +102,9 @@ def server_row(lines: list[dict[str, Any]], label: str, fields: tuple[str, ...] 
 
 
 def limit_row(lines: list[dict[str, Any]]) -> Row:
-    """Batch 1 for c=1, the best batch for the loaded points; p50 per ``session.run`` call."""
-    ort = [x for x in lines if x["kind"] == "ort_limit"]
+    """Batch 1 for c=1, the best batch for the loaded points; p50 per ``session.run`` call. The pairs'
+    limit lines (marked ``pair``) are not the row's."""
+    ort = [x for x in lines if x["kind"] == "ort_limit" and "pair" not in x]
 
     def best(model: str) -> Point:
         top = max((x for x in ort if x["model"] == model), key=lambda x: float(x["infer_per_s"]))
@@ -143,6 +152,30 @@ def ratio(a: str, b: str, name: str, latency: bool = False) -> Callable[[Repeat]
     return value
 
 
+def pair_ratios(repeats: list[Repeat]) -> list[float]:
+    """Ours / the limit of every medium pair in the run, in order."""
+    return [ours / limit for r in repeats for ours, limit in r.medium_pairs if limit]
+
+
+def medium_share(repeats: list[Repeat]) -> tuple[str, float | None]:
+    """The medium target's name and value: the median over every interleaved pair of the run where there are
+    pairs, else the same-repeat ratio like the other targets."""
+    found = pair_ratios(repeats)
+    if found:
+        count = f"{len(found)} interleaved pair{'s' * (len(found) != 1)}"
+        return f"medium c=32: ours / ORT limit ({count}, median)", statistics.median(found)
+    return "medium c=32: ours / ORT limit", per_repeat(repeats, ratio(OURS, LIMIT, "medium_c32"))
+
+
+def pairs_line(repeats: list[Repeat]) -> str | None:
+    """Each pair's ratio, for the report: the spread says how far one pair can be trusted."""
+    found = pair_ratios(repeats)
+    if not found:
+        return None
+    each = ", ".join(f"{value:.1%}" for value in found)
+    return f"medium c=32, ours / ORT limit per interleaved pair: {each} (median {statistics.median(found):.1%})"
+
+
 def cost(name: str) -> Callable[[Repeat], float | None]:
     """What observability costs at point ``name`` within one repeat: 1 - on / off."""
     share = ratio(OURS, OFF, name)
@@ -184,12 +217,7 @@ def targets(repeats: list[Repeat]) -> list[Target]:
             "{:.2f}x",
             at_most=True,
         ),
-        judged(
-            "medium c=32: ours / ORT limit",
-            per_repeat(repeats, ratio(OURS, LIMIT, "medium_c32")),
-            TARGET_MEDIUM_SHARE,
-            "{:.1%}",
-        ),
+        judged(*medium_share(repeats), TARGET_MEDIUM_SHARE, "{:.1%}"),
         *(
             judged(
                 f"{label} c=32: observability cost (1 - on / off)",

@@ -21,6 +21,7 @@ from benchmarks.serving_report import (
     Row,
     limit_row,
     main_table,
+    pairs_line,
     server_row,
     summary,
     targets,
@@ -144,3 +145,20 @@ def test_limit_row_takes_batch_one_for_c1_and_the_best_batch_for_the_rest() -> N
     assert found.small_c1 == Point(3900, 0.1, 1)
     assert found.small_c32 is not None and found.small_c32.batch == 8
     assert found.medium_c32 is not None and found.medium_c32.batch == 1
+
+
+def test_interleaved_pairs_judge_the_medium_target_when_a_run_has_them() -> None:
+    # The repeats' own ratio (27 / 28 = 96.4%) would miss; the pairs' median (97.8%) passes, and names them.
+    first, second = repeat(1000, 500, 600), repeat(2000, 1000, 1200)
+    first.medium_pairs = [(44.0, 45.0), (40.0, 50.0)]
+    second.medium_pairs = [(47.0, 48.0)]
+
+    found = {t.name: t for t in targets([first, second])}
+
+    medium = found["medium c=32: ours / ORT limit (3 interleaved pairs, median)"]
+    assert medium.observed == "97.8%" and medium.passed is True
+    assert "medium c=32: ours / ORT limit" not in found
+    assert pairs_line([first, second]) == (
+        "medium c=32, ours / ORT limit per interleaved pair: 97.8%, 80.0%, 97.9% (median 97.8%)"
+    )
+    assert pairs_line([repeat(1000, 500, 600)]) is None
