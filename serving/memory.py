@@ -56,7 +56,9 @@ class TrimPolicy:
     stayed in the heaps for good (CI: +31 MiB after a 40 MB probe). So an unproductive trim is retried
     every tick for ``eager_tries`` tries, then with doubling back-off (a server that really grew pays
     little), and only after ``accept_after_s`` of high readings is the higher RSS taken as the working set
-    (a model loaded later).
+    (a model loaded later). The back-off is for what those trims could not give back: a reading
+    ``growth_bytes`` above the RSS the last of them left is new memory (a flood while a model load's growth
+    was backing off), and is tried at once, else it could wait a minute.
 
     A busy process (at least ``busy_cpu_share`` of a core over the last tick) is trimmed at most once per
     ``busy_interval_s``: under steady traffic the RSS swings by the requests in flight, every trim was
@@ -76,6 +78,7 @@ class TrimPolicy:
     tries: int = 0
     next_try_at: float = 0.0
     last_trim_at: float | None = None
+    stuck: int | None = None  # the RSS the last unproductive trim left (None: the last trim settled)
 
     def due(self, rss: int, now: float, cpu_share: float = 0.0) -> bool:
         """Whether to trim now, given this tick's RSS and the share of a core the process used since the
@@ -91,6 +94,8 @@ class TrimPolicy:
             self.floor = rss
             self._settle()
             return False
+        if self.stuck is not None and rss > self.stuck + self.growth_bytes:
+            self.next_try_at = min(self.next_try_at, now)
         if now < self.next_try_at:
             return False
         busy = cpu_share >= self.busy_cpu_share
@@ -105,11 +110,12 @@ class TrimPolicy:
             self._settle()
             return
         self.tries += 1
+        self.stuck = rss_after
         backoff = 0 if self.tries < self.eager_tries else self.tick_s * 2 ** (self.tries - self.eager_tries + 1)
         self.next_try_at = now + backoff
 
     def _settle(self) -> None:
-        self.high_since, self.tries, self.next_try_at = None, 0, 0.0
+        self.high_since, self.tries, self.next_try_at, self.stuck = None, 0, 0.0, None
 
 
 def start_trimmer(interval_s: float = 2.0, growth_bytes: int = 8 << 20) -> bool:

@@ -15,7 +15,9 @@ Lanes follow the data plane: rebuilt on every load, unload and runtime change (t
 from __future__ import annotations
 
 import logging
+import os
 import shutil
+import socket
 import tempfile
 import threading
 import time
@@ -39,6 +41,8 @@ from serving.types import DATATYPES
 log = logging.getLogger(__name__)
 
 INTERNAL = 13  # grpc.StatusCode.INTERNAL's number; this module needs no grpc import
+PRIVATE_PREFIX = "sluicegate-grpc-"  # the private socket's folder, in the temp dir
+STALE_AFTER_S = 60.0  # a folder younger than this may belong to a server still starting: never removed
 INTERNAL_DETAILS = "internal error in /inference.GRPCInferenceService/ModelInfer; see the server log"
 
 
@@ -101,6 +105,55 @@ class _Lane:
         self.inline = True
 
 
+def remove_stale_folders(root: Path, *, older_than_s: float = STALE_AFTER_S) -> list[Path]:
+    """Remove the private-socket folders in ``root`` that no server uses any more; the removed ones.
+
+    ``NativePort.stop`` removes its own folder, but a server killed outright (SIGKILL, the OOM killer, a
+    supervisor replacing a hung worker) cannot, and a pod's emptyDir /tmp outlives its container's
+    restarts. So each server removes what dead ones left, at start-up: folders of this user, last changed
+    ``older_than_s`` ago or earlier (a server may be between creating its folder and listening), whose
+    socket refuses connections or is missing. Connecting asks the listener itself, so a server of another
+    PID namespace sharing this /tmp is left alone; anything else unexpected (no permission, a full
+    backlog) leaves the folder too. Errors are logged, never raised: this must not stop a server starting.
+    """
+    removed: list[Path] = []
+    try:
+        found = sorted(root.glob(PRIVATE_PREFIX + "*"))
+    except OSError as exc:
+        log.warning("cannot list %s for stale private sockets: %s", root, exc)
+        return removed
+    uid, cutoff = os.getuid(), time.time() - older_than_s
+    for folder in found:
+        try:
+            info = folder.lstat()
+            if not folder.is_dir() or folder.is_symlink() or info.st_uid != uid or info.st_mtime > cutoff:
+                continue
+            if _listening(folder / "grpc.sock"):
+                continue
+            shutil.rmtree(folder)
+            removed.append(folder)
+        except OSError as exc:
+            log.warning("left %s: %s", folder, exc)
+    if removed:
+        log.info("removed %d private socket folder(s) of servers that are gone, in %s", len(removed), root)
+    return removed
+
+
+def _listening(path: Path) -> bool:
+    """Whether a server accepts on the Unix socket ``path``; False only when nobody can (refused, missing)."""
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.settimeout(1.0)
+    try:
+        probe.connect(str(path))
+    except (ConnectionRefusedError, FileNotFoundError):
+        return False
+    except OSError:
+        return True  # a full backlog, a timeout, no permission: somebody may well be there
+    finally:
+        probe.close()
+    return True
+
+
 class NativePort:
     """The public gRPC port served by the native front end, with ``grpc_server`` (not started) behind it.
 
@@ -123,7 +176,8 @@ class NativePort:
         telemetry = plane.telemetry
         # Spans are opened by the grpcio servicer per request: with tracing on, every call goes there.
         self.lanes_enabled = telemetry is None or telemetry.tracing is None
-        self._folder = Path(tempfile.mkdtemp(prefix="sluicegate-grpc-"))  # 0700: only this user may connect
+        remove_stale_folders(Path(tempfile.gettempdir()))
+        self._folder = Path(tempfile.mkdtemp(prefix=PRIVATE_PREFIX))  # 0700: only this user may connect
         self.socket = self._folder / "grpc.sock"
         self._front = native.create(f"unix:{self.socket}", request_log is not None)
         self._lanes: dict[tuple[str, str], _Lane] = {}

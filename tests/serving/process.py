@@ -30,7 +30,8 @@ RSS_SLACK = 0.20
 
 class ServerProcess:
     """``python -m serving --repo REPO`` on two free ports; ``env`` adds settings (names without the
-    prefix, e.g. ``{"ADMIN_TOKEN": "x"}``); ``verify`` is the CA (an ``ssl.SSLContext``) when TLS is on."""
+    prefix, e.g. ``{"ADMIN_TOKEN": "x"}``), ``environ`` other variables (``TMPDIR``); ``verify`` is the CA
+    (an ``ssl.SSLContext``) when TLS is on."""
 
     def __init__(
         self,
@@ -40,13 +41,14 @@ class ServerProcess:
         *,
         verify: ssl.SSLContext | None = None,
         ready_timeout: float = 120,
+        environ: Mapping[str, str] | None = None,
     ) -> None:
         self.grpc_port, self.http_port = free_port(), free_port()
         self.log = tmp / f"server-{self.grpc_port}.log"
         self.verify = verify
         settings = {"CACHE_DIR": str(tmp / "cache"), "PROBE_INTERVAL_S": "0", **(env or {})}
         self.runtime_dir = Path(settings["RUNTIME_DIR"]) if "RUNTIME_DIR" in settings else None
-        environ = {**os.environ, **{f"SLUICEGATE_SERVING__{k}": v for k, v in settings.items()}}
+        environ = {**os.environ, **(environ or {}), **{f"SLUICEGATE_SERVING__{k}": v for k, v in settings.items()}}
         args = [sys.executable, "-m", "serving", "--repo", str(repo), "--grpc-port", str(self.grpc_port)]
         args += ["--http-port", str(self.http_port)]
         self.proc = subprocess.Popen(args, cwd=ROOT, env=environ, stdout=self.log.open("wb"), stderr=subprocess.STDOUT)

@@ -68,3 +68,21 @@ def test_a_busy_process_is_trimmed_at_most_once_per_busy_interval_and_at_once_wh
     # The traffic stops with memory left over: the first quiet tick trims it.
     assert not policy.due(140 * MiB, 64.0, cpu_share=0.9)
     assert policy.due(140 * MiB, 66.0, cpu_share=0.01)
+
+
+def test_a_flood_while_a_lasting_rise_backs_off_is_trimmed_at_once() -> None:
+    """A model load's growth puts the trimmer in back-off; a 40 MB probe in that window must not wait for
+    it (a hostile-input test once found its flood still resident after 10 s)."""
+    policy = TrimPolicy(growth_bytes=8 * MiB, tick_s=2.0, eager_tries=3, accept_after_s=120.0)
+    policy.due(100 * MiB, 0.0)
+    now, waiting = 2.0, []
+    while now < 40.0:
+        if policy.due(300 * MiB, now):
+            policy.trimmed(300 * MiB, now)
+        elif now > 8.0:
+            waiting.append(now)
+        now += 2.0
+    assert waiting, "the lasting rise is backing off"
+    assert policy.due(340 * MiB, now), "a flood on top of it is new memory: trimmed at the next tick"
+    policy.trimmed(301 * MiB, now)  # the flood went back; the model stays
+    assert not policy.due(301 * MiB, now + 2.0), "and the back-off for the model's memory goes on"
