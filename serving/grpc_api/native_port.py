@@ -41,9 +41,9 @@ from serving.types import DATATYPES
 log = logging.getLogger(__name__)
 
 INTERNAL = 13  # grpc.StatusCode.INTERNAL's number; this module needs no grpc import
+INTERNAL_DETAILS = "internal error in /inference.GRPCInferenceService/ModelInfer; see the server log"
 PRIVATE_PREFIX = "sluicegate-grpc-"  # the private socket's folder, in the temp dir
 STALE_AFTER_S = 60.0  # a folder younger than this may belong to a server still starting: never removed
-INTERNAL_DETAILS = "internal error in /inference.GRPCInferenceService/ModelInfer; see the server log"
 
 
 @dataclass(frozen=True)
@@ -132,6 +132,8 @@ def remove_stale_folders(root: Path, *, older_than_s: float = STALE_AFTER_S) -> 
                 continue
             shutil.rmtree(folder)
             removed.append(folder)
+        except FileNotFoundError:
+            continue  # a worker starting beside this one (same supervisor) removed it first
         except OSError as exc:
             log.warning("left %s: %s", folder, exc)
     if removed:
