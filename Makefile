@@ -60,7 +60,8 @@ test: lint system-deps client-venvs
 demo: $(STAMP)
 	$(BIN)/sluicegate demo
 
-bench: $(STAMP) native
+# system-deps: the event benchmark runs the Prefect server on a throwaway PostgreSQL cluster too.
+bench: $(STAMP) system-deps native
 	$(BIN)/python -m benchmarks
 
 up: $(STAMP)

@@ -15,11 +15,13 @@ only the hops up to the run's start are measured.)
 Targets (issue 19): PUT -> flow body p50 <= 1.0 s and p95 <= 2.0 s. `--cold` measures Prefect's own
 runner instead (a fresh interpreter per run), for the comparison in the same session.
 
-The embedded Prefect server keeps its database in SQLite, where creating a run sometimes fails with
-`database is locked` and Prefect's own client retries 2 s later (README, "Measured"). The server logs those
-errors here (`PREFECT_API_LOG_RETRYABLE_ERRORS`), and the report counts them: a slow "run created" next
-to a count of 0 would be something else. `PREFECT_API_DATABASE_CONNECTION_URL` in the environment puts
-the server on that database instead (PostgreSQL: `postgresql+asyncpg://...`).
+The measurement runs twice by default, once per database of the Prefect server (`--database`):
+  PostgreSQL  a throwaway cluster (initdb/pg_ctl, sluicegate.app.stack.postgres): what every deployment we
+              ship runs (docker/compose.yaml, the Kubernetes overlays) and what Prefect advises beyond a laptop;
+  SQLite      the server's default file, what `sluicegate up` runs so that it needs no database server.
+On SQLite, creating a run sometimes fails with `database is locked` and the server's own client retries
+2 s later (README, "Measured"). The server logs those errors here (`PREFECT_API_LOG_RETRYABLE_ERRORS`),
+and the report counts them per database: a slow "run created" next to a count of 0 would be something else.
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ import socket
 import statistics
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -42,6 +46,7 @@ from flows.pipeline import BODY_STARTED
 from sluicegate import storage
 from sluicegate.app import stack
 from sluicegate.app.demo.prefect_runs import wait_for_flow_run
+from sluicegate.app.stack.postgres import throwaway_cluster
 from sluicegate.metadata import MetadataStore
 from sluicegate.metadata.events import s3_event_emitted_at
 from sluicegate.settings import Settings
@@ -111,20 +116,41 @@ def sqlite_retries(server_log: Path) -> dict[str, int]:
     return {"all": len(chunks), "creating a flow run": sum("INSERT INTO flow_run " in c for c in chunks)}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--uploads", type=int, default=20)
-    parser.add_argument("--out", type=Path, default=Path("bench-results/event_latency.json"))
-    parser.add_argument("--cold", action="store_true", help="Prefect's own runner: a fresh interpreter per run")
-    args = parser.parse_args()
-    # Read by the embedded Prefect server (the stack passes the environment on): see sqlite_retries.
-    os.environ.setdefault("PREFECT_API_LOG_RETRYABLE_ERRORS", "true")
-    console = Console()
+DATABASES = ("postgresql", "sqlite")
+DATABASE_NAMES = {"postgresql": "PostgreSQL", "sqlite": "SQLite"}
+DATABASE_URL = "PREFECT_API_DATABASE_CONNECTION_URL"
+
+
+@contextmanager
+def prefect_database(database: str) -> Iterator[None]:
+    """The Prefect server's database for one measurement, through Prefect's own variable (the stack hands
+    its environment on): a database in a throwaway PostgreSQL cluster, or the server's default SQLite file
+    under the stack's home."""
+    inherited = os.environ.pop(DATABASE_URL, None)
+    try:
+        if database == "sqlite":
+            yield
+            return
+        with throwaway_cluster() as cluster:
+            cluster.create_database("prefect")
+            os.environ[DATABASE_URL] = cluster.url("prefect", driver="asyncpg")
+            try:
+                yield
+            finally:
+                del os.environ[DATABASE_URL]
+    finally:
+        if inherited is not None:
+            os.environ[DATABASE_URL] = inherited
+
+
+def measure(uploads: int, *, cold: bool, console: Console) -> tuple[list[dict[str, float]], dict[str, int]]:
+    """One warm-up and ``uploads`` counted uploads through a fresh embedded stack; the samples and the
+    server's retryable database errors."""
     home = Path(tempfile.mkdtemp(prefix="sluicegate-bench-"))
     settings = Settings(
         home=home,
         storage={"port": free_port()},
-        prefect={"port": free_port(), "runner_port": free_port(), "ui": False, "runner_warm": not args.cold},
+        prefect={"port": free_port(), "runner_port": free_port(), "ui": False, "runner_warm": not cold},
         mlflow={"port": free_port()},
         events={"webhook_port": free_port()},
         stack={"serving": False},  # the event path only
@@ -132,17 +158,15 @@ def main() -> None:
     samples: list[dict[str, float]] = []
     with console.status("starting the embedded stack..."), stack.running(settings):
         one_upload(settings, 0)  # warm-up: first imports and database pages; not counted
-        for index in range(1, args.uploads + 1):
-            console.log(f"upload {index}/{args.uploads}")
+        for index in range(1, uploads + 1):
+            console.log(f"upload {index}/{uploads}")
             samples.append(one_upload(settings, index))
         retries = sqlite_retries(settings.home / "logs" / "prefect.log")
-    database = (
-        "PostgreSQL" if os.environ.get("PREFECT_API_DATABASE_CONNECTION_URL", "").startswith("postgres") else "SQLite"
-    )
-    runner = "Prefect's runner (cold)" if args.cold else "warm runner"
-    table = Table(title=f"event latency over {len(samples)} uploads, {runner} (seconds, embedded stack, this machine)")
-    for column in ("hop", "p50", "p95", "max", "target", "verdict"):
-        table.add_column(column, justify="right" if column != "hop" else "left")
+    return samples, retries
+
+
+def summarise(samples: list[dict[str, float]]) -> dict[str, dict[str, object]]:
+    """Per hop: p50, p95, max, the target and its verdict, the values."""
     summary: dict[str, dict[str, object]] = {}
     for hop in samples[0]:
         values = [sample[hop] for sample in samples]
@@ -152,27 +176,65 @@ def main() -> None:
         if target is not None:
             verdict = "PASS" if all(observed[q] <= bound for q, bound in target.items()) else "MISS"
         summary[hop] = {**observed, "max": max(values), "target": target, "verdict": verdict, "values": values}
+    return summary
+
+
+def hop_table(title: str, summary: dict[str, dict[str, object]]) -> Table:
+    table = Table(title=title)
+    for column in ("hop", "p50", "p95", "max", "target", "verdict"):
+        table.add_column(column, justify="right" if column != "hop" else "left")
+    for hop, row in summary.items():
+        target = row["target"]
         table.add_row(
             hop,
-            f"{observed['p50']:.2f}",
-            f"{observed['p95']:.2f}",
-            f"{max(values):.2f}",
-            ", ".join(f"{q} <= {bound:.1f}" for q, bound in target.items()) if target else "-",
-            verdict,
+            f"{row['p50']:.2f}",
+            f"{row['p95']:.2f}",
+            f"{row['max']:.2f}",
+            ", ".join(f"{q} <= {bound:.1f}" for q, bound in target.items()) if isinstance(target, dict) else "-",
+            str(row["verdict"]),
         )
-    console.print(table)
-    console.print(
-        f"Prefect's database: {database}; its retryable errors during the run (each a 2 s client back-off): "
-        f"{retries['all']}, {retries['creating a flow run']} of them creating a flow run"
+    return table
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--uploads", type=int, default=20)
+    parser.add_argument("--out", type=Path, default=Path("bench-results/event_latency.json"))
+    parser.add_argument("--cold", action="store_true", help="Prefect's own runner: a fresh interpreter per run")
+    parser.add_argument(
+        "--database",
+        choices=(*DATABASES, "both"),
+        default="both",
+        help="the Prefect server's database: a throwaway PostgreSQL cluster, its default SQLite file, or both "
+        "in turn (default)",
     )
+    args = parser.parse_args()
+    # Read by the embedded Prefect server (the stack passes the environment on): see sqlite_retries.
+    os.environ.setdefault("PREFECT_API_LOG_RETRYABLE_ERRORS", "true")
+    console = Console()
+    if os.environ.get(DATABASE_URL):
+        console.print(f"{DATABASE_URL} is set: ignored here, each run names its own database (--database)")
+    runner = "Prefect's runner (cold)" if args.cold else "warm runner"
+    runs: dict[str, dict[str, object]] = {}
+    for database in DATABASES if args.database == "both" else (args.database,):
+        name = DATABASE_NAMES[database]
+        with prefect_database(database):
+            samples, retries = measure(args.uploads, cold=args.cold, console=console)
+        summary = summarise(samples)
+        console.print(
+            hop_table(
+                f"event latency over {len(samples)} uploads, {runner}, Prefect on {name} "
+                "(seconds, embedded stack, this machine)",
+                summary,
+            )
+        )
+        console.print(
+            f"Prefect on {name}: retryable database errors during the run (each a 2 s client back-off): "
+            f"{retries['all']}, {retries['creating a flow run']} of them creating a flow run"
+        )
+        runs[database] = {"prefect_database": name, "prefect_retryable_errors": retries, "hops": summary}
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    report = {
-        "uploads": len(samples),
-        "runner": runner,
-        "prefect_database": database,
-        "prefect_retryable_errors": retries,
-    }
-    args.out.write_text(json.dumps({**report, "hops": summary}, indent=2))
+    args.out.write_text(json.dumps({"uploads": args.uploads, "runner": runner, "runs": runs}, indent=2))
     console.print(f"raw samples: {args.out}")
 
 

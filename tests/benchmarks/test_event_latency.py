@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
-from benchmarks.event_latency import sqlite_retries
+import psycopg
+import pytest
+from sqlalchemy.engine import make_url
+
+from benchmarks.event_latency import BODY, DATABASE_URL, prefect_database, sqlite_retries, summarise
 
 # Shaped like Prefect 3.9.1's server log with PREFECT_API_LOG_RETRYABLE_ERRORS=true (2026-12-07).
 LOG = """\
@@ -33,3 +38,39 @@ def test_no_log_or_no_error_counts_nothing(tmp_path: Path) -> None:
     quiet = tmp_path / "prefect.log"
     quiet.write_text(LOG.split("16:33:50")[0])
     assert sqlite_retries(quiet) == {"all": 0, "creating a flow run": 0}
+
+
+def test_the_postgresql_run_gets_a_live_database_and_the_inherited_url_comes_back(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv(DATABASE_URL, "postgresql+asyncpg://someone@elsewhere/theirs")
+
+    with prefect_database("postgresql"):
+        url = make_url(os.environ[DATABASE_URL])
+        assert url.drivername == "postgresql+asyncpg"  # Prefect's server needs the async driver
+        with psycopg.connect(host=url.host, port=url.port, user=url.username, dbname=url.database) as conn:
+            assert conn.execute("SELECT current_database()").fetchone() == ("prefect",)
+
+    assert os.environ[DATABASE_URL] == "postgresql+asyncpg://someone@elsewhere/theirs"
+    with pytest.raises(psycopg.OperationalError):  # the throwaway cluster is gone
+        psycopg.connect(host=url.host, port=url.port, user=url.username, dbname="postgres", connect_timeout=3)
+
+
+def test_the_sqlite_run_leaves_the_server_on_its_default_file(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(DATABASE_URL, "postgresql+asyncpg://someone@elsewhere/theirs")
+
+    with prefect_database("sqlite"):
+        assert DATABASE_URL not in os.environ
+
+    assert os.environ[DATABASE_URL] == "postgresql+asyncpg://someone@elsewhere/theirs"
+
+
+def test_the_verdict_needs_both_percentiles_within_the_target() -> None:
+    fast = [{"PUT -> run created": 0.1, BODY: 0.5} for _ in range(19)]
+    one_slow = summarise([*fast, {"PUT -> run created": 2.1, BODY: 2.5}])
+    two_slow = summarise([*fast[:18], *[{"PUT -> run created": 2.1, BODY: 2.5}] * 2])
+
+    assert one_slow[BODY]["verdict"] == "PASS"  # p95 of 20 interpolates between the 19th and the 20th
+    assert two_slow[BODY]["verdict"] == "MISS"
+    assert two_slow[BODY]["p50"] == pytest.approx(0.5)
+    assert two_slow["PUT -> run created"]["verdict"] == "-"  # no target on the inner hops
