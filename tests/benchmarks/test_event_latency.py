@@ -9,7 +9,7 @@ import psycopg
 import pytest
 from sqlalchemy.engine import make_url
 
-from benchmarks.event_latency import BODY, DATABASE_URL, prefect_database, sqlite_retries, summarise
+from benchmarks.event_latency import BODY, DATABASE_URL, prefect_database, retryable_errors, summarise
 
 # Shaped like Prefect 3.9.1's server log with PREFECT_API_LOG_RETRYABLE_ERRORS=true (2026-12-07).
 LOG = """\
@@ -30,14 +30,14 @@ def test_retryable_errors_are_counted_and_those_creating_a_flow_run_told_apart(t
     log = tmp_path / "prefect.log"
     log.write_text(LOG)
 
-    assert sqlite_retries(log) == {"all": 2, "creating a flow run": 1}
+    assert retryable_errors(log) == {"all": 2, "creating a flow run": 1}
 
 
 def test_no_log_or_no_error_counts_nothing(tmp_path: Path) -> None:
-    assert sqlite_retries(tmp_path / "missing.log") == {"all": 0, "creating a flow run": 0}
+    assert retryable_errors(tmp_path / "missing.log") == {"all": 0, "creating a flow run": 0}
     quiet = tmp_path / "prefect.log"
     quiet.write_text(LOG.split("16:33:50")[0])
-    assert sqlite_retries(quiet) == {"all": 0, "creating a flow run": 0}
+    assert retryable_errors(quiet) == {"all": 0, "creating a flow run": 0}
 
 
 def test_the_postgresql_run_gets_a_live_database_and_the_inherited_url_comes_back(
@@ -74,3 +74,12 @@ def test_the_verdict_needs_both_percentiles_within_the_target() -> None:
     assert two_slow[BODY]["verdict"] == "MISS"
     assert two_slow[BODY]["p50"] == pytest.approx(0.5)
     assert two_slow["PUT -> run created"]["verdict"] == "-"  # no target on the inner hops
+
+
+def test_errors_before_the_offset_are_not_counted(tmp_path: Path) -> None:
+    log = tmp_path / "prefect.log"
+    log.write_text(LOG)
+    second_error = LOG.encode().index(b"16:34:02")
+
+    assert retryable_errors(log, after=second_error) == {"all": 1, "creating a flow run": 0}
+    assert retryable_errors(log, after=len(LOG.encode())) == {"all": 0, "creating a flow run": 0}
