@@ -24,12 +24,14 @@ from pathlib import Path
 import psycopg
 from psycopg import sql
 
+from sluicegate.errors import StackError
+
 SERVER_USER = "nobody"
 SUPERUSER = "postgres"
 INSTALL_HINT = "install the server (`apt-get install postgresql`, or `make system-deps`)"
 
 
-class PostgresUnavailable(RuntimeError):
+class PostgresUnavailable(StackError):
     """The PostgreSQL server binaries are missing, or the cluster did not start (the message says why)."""
 
 
