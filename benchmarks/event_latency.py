@@ -16,8 +16,8 @@ Targets (issue 19): PUT -> flow body p50 <= 1.0 s and p95 <= 2.0 s. `--cold` mea
 runner instead (a fresh interpreter per run), for the comparison in the same session.
 
 The measurement runs twice by default, once per database of the Prefect server (`--database`):
-  PostgreSQL  a throwaway cluster (initdb/pg_ctl, sluicegate.app.stack.postgres): what every deployment we
-              ship runs (docker/compose.yaml, the Kubernetes overlays) and what Prefect advises beyond a laptop;
+  PostgreSQL  a throwaway cluster (initdb/pg_ctl, sluicegate.app.stack.postgres): what our full deployment
+              runs (docker/compose.yaml) and what Prefect advises beyond a laptop;
   SQLite      the server's default file, what `sluicegate up` runs so that it needs no database server.
 On SQLite, creating a run sometimes fails with `database is locked` and the server's own client retries
 2 s later (README, "Measured"). The server logs those errors here (`PREFECT_API_LOG_RETRYABLE_ERRORS`),
