@@ -1,6 +1,6 @@
 """A throwaway PostgreSQL cluster: ``initdb`` and ``pg_ctl`` in a temporary folder, a free loopback port,
 all of it gone on exit. The tests give it to the metadata store, the event benchmark to the Prefect server
-(PostgreSQL as every deployment we ship runs it). Not for keeping data: fsync is off and any local user
+(as docker/compose.yaml runs it). Not for keeping data: fsync is off and any local user
 may connect as the superuser over 127.0.0.1 (trust), so it lives only as long as its ``with`` block.
 
 The server refuses to run as root (CI runs as root), so as root the cluster belongs to ``nobody`` and
@@ -103,7 +103,7 @@ def _make_server_folder(path: Path) -> None:
 
 
 @contextmanager
-def throwaway_cluster(*, max_connections: int = 100) -> Iterator[PostgresCluster]:
+def throwaway_cluster() -> Iterator[PostgresCluster]:
     """A started cluster on 127.0.0.1; stopped and deleted when the block ends, however it ends."""
     initdb, pg_ctl = pg_binary("initdb"), pg_binary("pg_ctl")
     base = Path(tempfile.mkdtemp(prefix="sluicegate-pg-", dir="/tmp"))
@@ -117,7 +117,6 @@ def throwaway_cluster(*, max_connections: int = 100) -> Iterator[PostgresCluster
         _run([initdb, "-D", str(data_dir), "-U", SUPERUSER, "--auth=trust", "-E", "UTF8"], base)
         # fsync off: a throwaway cluster needs no durability, and it makes CREATE DATABASE cheap.
         options = f"-p {port} -k {sock_dir} -c listen_addresses=127.0.0.1 -c fsync=off"
-        options += f" -c max_connections={max_connections}"
         try:
             _run([pg_ctl, "-D", str(data_dir), "-o", options, "-l", str(log), "-w", "start"], base)
         except PostgresUnavailable as exc:
