@@ -10,6 +10,7 @@ siblings (serving/siblings.py)."""
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import logging
 import os
 import signal
@@ -252,6 +253,9 @@ def main(argv: list[str] | None = None) -> None:
     than one worker, supervise them instead (serving/supervisor.py); its exit status is the process's."""
     from serving.observability.logs import json_handler
 
+    # A crash in native code (ONNX Runtime, TensorRT, grpc++, the native front end) then leaves the Python
+    # stack of every thread on stderr instead of only an exit status (-11) in the supervisor's log.
+    faulthandler.enable()
     # One JSON object per line (request logs and everything else), for log shippers.
     # Flushed every 50 ms (and at once for warnings): a write per request line costs more than the line.
     logging.basicConfig(level=logging.INFO, handlers=[json_handler(flush_interval_s=0.05)])

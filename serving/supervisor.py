@@ -136,7 +136,12 @@ class Supervisor:
                 worker.crashes = worker.crashes + 1 if now - worker.started < STABLE_S else 1
                 delay = BACKOFF_S[min(worker.crashes, len(BACKOFF_S)) - 1]
                 log.error(
-                    "worker %d (pid %d) exited with %d; restarting in %.1f s", worker.index, worker.pid, code, delay
+                    "worker %d (pid %d) exited with %d%s; restarting in %.1f s",
+                    worker.index,
+                    worker.pid,
+                    code,
+                    signal_name(code),
+                    delay,
                 )
                 worker.restart_at = now + delay
             starting = starting and not all(w.joined for w in self.workers)
@@ -202,9 +207,20 @@ class Supervisor:
                 worker.proc.wait()
             self._reap(worker, worker.proc.returncode)
             if worker.exit_code not in (0, -signal.SIGTERM):
-                log.error("worker %d exited with %d", worker.index, worker.exit_code)
+                log.error("worker %d exited with %d%s", worker.index, worker.exit_code, signal_name(worker.exit_code))
                 clean = False
         return clean
+
+
+def signal_name(code: int | None) -> str:
+    """`` (SIGSEGV)`` for an exit status that is a signal's (negative, as subprocess reports it), else ``""``:
+    the operator reading the log should not need to know that -11 is a crash and -9 the OOM killer."""
+    if code is None or code >= 0:
+        return ""
+    try:
+        return f" ({signal.Signals(-code).name})"
+    except ValueError:
+        return ""
 
 
 def reserve_port(host: str, port: int) -> socket.socket:

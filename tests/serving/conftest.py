@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -12,6 +12,7 @@ import pytest
 from serving.server import RunningServer, start
 from serving.settings import ServingSettings
 from tests.fixtures.models import LABELS, Slowed, resnet, write_model_version
+from tests.serving.process import ServerProcess
 
 MODEL = "pcb"
 SHAPE = (3, 32, 32)
@@ -64,6 +65,21 @@ def server(repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run
     assert running.wait_ready(120), running.dataplane.index()
     yield running
     running.stop(grace=5)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+    """A failed test that used a server process (a fixture) shows that server's log: a worker that died
+    says why there (exit status, faulthandler's stacks), and on CI the log is gone with the machine."""
+    report: pytest.TestReport = yield
+    if report.failed:
+        for value in getattr(item, "funcargs", {}).values():
+            if isinstance(value, ServerProcess):
+                title = f"server log {value.log.name} (last 6000 characters)"
+                report.sections.append((title, value.log_text()[-6000:]))
+    return report
 
 
 def batch(rows: int, seed: int) -> np.ndarray:

@@ -26,6 +26,7 @@ from serving.proto import admin_pb2, admin_pb2_grpc
 from serving.proto import grpc_service_pb2 as pb
 from serving.proto import grpc_service_pb2_grpc as pb_grpc
 from serving.scheduling import thread_policies
+from serving.supervisor import signal_name
 from tests.fixtures.models import resnet, write_model_version
 from tests.serving.conftest import batch
 from tests.serving.process import ROOT, ServerProcess
@@ -198,15 +199,16 @@ def test_killed_worker_restarts_with_current_models_weights_and_counts(
     )
     counted = requests_total(server, "pcb", "2")
     victim = server.workers()[1]["pid"]
-    os.kill(victim, signal.SIGKILL)
+    os.kill(victim, signal.SIGSEGV)  # as a crash in native code would: faulthandler prints, nothing cleans up
     server.wait_workers(2, exclude_pids=frozenset({victim}))
     workers = server.workers()
     assert victim not in {w["pid"] for w in workers}
     assert [sorted(w["models"]) for w in workers] == [["pcb"], ["pcb"]]  # aux stays unloaded on the new one
     assert [w["weights"]["pcb"] for w in workers] == [{"1": 3, "2": 7}] * 2
-    # The dead worker's requests stay counted; the supervisor logged the restart.
+    # The dead worker's requests stay counted; the supervisor logged the restart, the worker its stacks.
     assert requests_total(server, "pcb", "2") == counted
-    assert f"(pid {victim}) exited with -9; restarting" in server.log_text()
+    assert f"(pid {victim}) exited with -11 (SIGSEGV); restarting" in server.log_text()
+    assert "Fatal Python error: Segmentation fault" in server.log_text()
     stub.RepositoryModelLoad(pb.RepositoryModelLoadRequest(model_name="aux"), metadata=AUTH, timeout=60)
     admin(channels[0]).SetTrafficWeights(
         admin_pb2.SetTrafficWeightsRequest(model_name="pcb", weights={"2": 1}), metadata=AUTH, timeout=30
@@ -303,3 +305,8 @@ def test_a_change_a_sibling_refuses_is_an_error_naming_that_worker(
         stub.RepositoryModelUnload(pb.RepositoryModelUnloadRequest(model_name="aux"), metadata=AUTH, timeout=60)
         stub.RepositoryModelLoad(pb.RepositoryModelLoadRequest(model_name="aux"), metadata=AUTH, timeout=60)
     assert [w["models"].get("aux") for w in server.workers()] == [["1"], ["1"]]
+
+
+def test_an_exit_by_signal_is_logged_with_the_signal_name() -> None:
+    assert [signal_name(code) for code in (-9, -11, -6)] == [" (SIGKILL)", " (SIGSEGV)", " (SIGABRT)"]
+    assert [signal_name(code) for code in (0, 1, None, -999)] == ["", "", "", ""]
