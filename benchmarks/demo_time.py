@@ -20,9 +20,9 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from benchmarks.event_latency import free_port
 from sluicegate.app.demo import run as demo
 from sluicegate.app.demo.summary import FIRST_CHAMPION_TARGET_S
+from sluicegate.app.stack.postgres import free_port
 from sluicegate.settings import LOOPBACK, Settings
 
 

@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import tempfile
 import time
@@ -46,7 +45,7 @@ from flows.pipeline import BODY_STARTED
 from sluicegate import storage
 from sluicegate.app import stack
 from sluicegate.app.demo.prefect_runs import wait_for_flow_run
-from sluicegate.app.stack.postgres import throwaway_cluster
+from sluicegate.app.stack.postgres import free_port, throwaway_cluster
 from sluicegate.metadata import MetadataStore
 from sluicegate.metadata.events import s3_event_emitted_at
 from sluicegate.settings import Settings
@@ -54,12 +53,6 @@ from tasks.datasets import MANIFEST
 
 BODY = "PUT -> flow body"
 TARGETS = {BODY: {"p50": 1.0, "p95": 2.0}}
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def percentile(values: list[float], q: float) -> float:
